@@ -1,0 +1,224 @@
+"""Process-local batches in, global ``jax.Array`` batches out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._mesh import check_axis_names
+from meshkit._specs import spec_axis_names
+
+DEFAULT_DATA_AXIS = "data"
+
+
+def batch_sharding(mesh: Mesh, data_axes: str | Sequence[str] = DEFAULT_DATA_AXIS) -> NamedSharding:
+    """The sharding of a batch: leading (example) dimension split over ``data_axes``.
+
+    Every other dimension is replicated. Axes of the mesh that are not in
+    ``data_axes`` hold replicas of the same rows.
+
+    Example:
+        >>> import meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> meshkit.batch_sharding(mesh).spec
+        P('data',)
+    """
+    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if not names:
+        raise ValueError("data_axes is empty; name at least one mesh axis, e.g. 'data'.")
+    check_axis_names(mesh, names, what=f"data_axes={names}")
+    return NamedSharding(mesh, PartitionSpec(names[0] if len(names) == 1 else names))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataShard:
+    """The rows of each global batch that this process must load.
+
+    Attributes:
+      start: first row (inclusive) of the global batch this process loads.
+      stop: last row (exclusive).
+      index: which of the ``count`` distinct row blocks this is. Processes that hold
+        replicas of the same rows get the same ``index`` and must load identical data.
+      count: how many distinct row blocks the processes hold between them.
+    """
+
+    start: int
+    stop: int
+    index: int
+    count: int
+
+    @property
+    def size(self) -> int:
+        """Rows per global batch loaded by this process."""
+        return self.stop - self.start
+
+    @property
+    def slice(self) -> slice:
+        """``slice(start, stop)``, to cut this process's rows out of a global batch."""
+        return slice(self.start, self.stop)
+
+
+def _leading_dim_shards(sharding: NamedSharding) -> int:
+    spec = sharding.spec
+    if len(spec) == 0 or spec[0] is None:
+        return 1
+    return int(np.prod([sharding.mesh.shape[name] for name in spec_axis_names(spec[:1])]))
+
+
+def _check_batch_sharding(sharding: Any) -> NamedSharding:
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            f"Expected a jax.sharding.NamedSharding for the batch, got {type(sharding).__name__}. "
+            "Build one with meshkit.batch_sharding(mesh)."
+        )
+    return sharding
+
+
+def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
+    """Which rows of each global batch this process must load.
+
+    Derived from the sharding, not from ``jax.process_index()``: when an axis that
+    is not a data axis spans processes, several processes hold the same rows and must
+    load the same data.
+
+    Args:
+      sharding: the batch sharding, e.g. from ``batch_sharding``.
+      global_batch_size: rows per global batch.
+
+    Example:
+        >>> import meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> shard = meshkit.data_shard(meshkit.batch_sharding(mesh), 64)
+        >>> (shard.start, shard.stop, shard.count)
+        (0, 64, 1)
+    """
+    sharding = _check_batch_sharding(sharding)
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int | np.integer):
+        raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}.")
+    shards = _leading_dim_shards(sharding)
+    if global_batch_size <= 0 or global_batch_size % shards:
+        raise ValueError(
+            f"Global batch size {global_batch_size} must be a positive multiple of the "
+            f"{shards} shards of the data axes {sharding.spec[0]!r} "
+            f"(mesh {dict(sharding.mesh.shape)}). "
+            f"Use a batch size divisible by {shards}, or pad the last batch "
+            "(meshkit pads evaluation batches with a mask)."
+        )
+    rows_per_block = global_batch_size // shards
+    indices = sharding.devices_indices_map((global_batch_size,))
+    mine = sorted(
+        {
+            (index[0].start or 0) // rows_per_block
+            for device, index in indices.items()
+            if device.process_index == jax.process_index()
+        }
+    )
+    if not mine:
+        raise ValueError(
+            f"Process {jax.process_index()} has no device in the mesh of this sharding, so it "
+            "holds no rows. Build the mesh from all devices (meshkit.make_mesh does)."
+        )
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError(
+            f"Process {jax.process_index()} holds non-contiguous row blocks {mine} of "
+            f"{shards}; meshkit needs each process's rows to be contiguous. Build the mesh "
+            "with meshkit.make_mesh, which keeps a process's devices together."
+        )
+    blocks_per_process = len(mine)
+    return DataShard(
+        start=mine[0] * rows_per_block,
+        stop=(mine[-1] + 1) * rows_per_block,
+        index=mine[0] // blocks_per_process,
+        count=shards // blocks_per_process,
+    )
+
+
+def _local_rows(local_batch: Any) -> int:
+    leaves = jax.tree.leaves(local_batch)
+    if not leaves:
+        raise ValueError("shard_batch got an empty pytree; pass at least one array.")
+    rows = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(local_batch):
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"Batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a "
+                "leading example dimension."
+            )
+        rows[jax.tree_util.keystr(path)] = shape[0]
+    if len(set(rows.values())) > 1:
+        raise ValueError(
+            f"Batch leaves have different numbers of rows: {rows}. Every leaf of a batch "
+            "must have the same leading dimension."
+        )
+    return next(iter(rows.values()))
+
+
+def _global_batch_size(local_rows: int, sharding: NamedSharding) -> int:
+    """Infers the global batch size, checking that all processes agree."""
+    if jax.process_count() == 1:
+        return local_rows
+    counts = np.asarray(multihost_utils.process_allgather(np.int64(local_rows)))
+    if len(set(counts.tolist())) > 1:
+        raise ValueError(
+            f"Processes passed different numbers of rows to shard_batch: "
+            f"{dict(enumerate(counts.tolist()))} (process: rows). Every process must load "
+            "the same number of rows per batch; drop the global remainder for training, "
+            "and pad evaluation batches with a mask."
+        )
+    shards = _leading_dim_shards(sharding)
+    blocks = data_shard(sharding, shards)
+    return local_rows * blocks.count
+
+
+def shard_batch(
+    local_batch: Any, sharding: NamedSharding, *, global_batch_size: int | None = None
+) -> Any:
+    """Turns this process's rows into global ``jax.Array``s.
+
+    Args:
+      local_batch: a pytree of arrays whose leading dimension holds this process's
+        rows, i.e. rows ``data_shard(sharding, global_batch_size).slice`` of the global
+        batch.
+      sharding: the batch sharding, e.g. from ``batch_sharding``.
+      global_batch_size: rows in the global batch. When given, no cross-process
+        communication is needed; when omitted on several processes, one small
+        all-gather checks that all processes agree and infers it (pass it in hot loops).
+
+    Returns:
+      The same pytree with global ``jax.Array`` leaves sharded by ``sharding``.
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> sharding = meshkit.batch_sharding(mesh)
+        >>> batch = meshkit.shard_batch({"x": np.ones((8, 3))}, sharding)
+        >>> batch["x"].shape
+        (8, 3)
+    """
+    sharding = _check_batch_sharding(sharding)
+    rows = _local_rows(local_batch)
+    if global_batch_size is None:
+        global_batch_size = _global_batch_size(rows, sharding)
+    shard = data_shard(sharding, global_batch_size)
+    if rows != shard.size:
+        raise ValueError(
+            f"Process {jax.process_index()} passed {rows} rows, but a global batch of "
+            f"{global_batch_size} on mesh {dict(sharding.mesh.shape)} puts rows "
+            f"[{shard.start}, {shard.stop}) ({shard.size} rows) on this process. Load "
+            "meshkit.data_shard(sharding, global_batch_size).slice of each global batch."
+        )
+
+    def to_global(leaf: Any) -> jax.Array:
+        leaf = np.asarray(leaf)
+        return jax.make_array_from_process_local_data(
+            sharding, leaf, (global_batch_size, *leaf.shape[1:])
+        )
+
+    return jax.tree.map(to_global, local_batch)

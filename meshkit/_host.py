@@ -1,0 +1,69 @@
+"""Moving pytrees between the host and a mesh: the jit-era replicate/unreplicate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places every leaf of ``tree`` fully replicated on ``mesh``.
+
+    The replacement for ``flax.jax_utils.replicate``: no leading device axis is
+    added; each leaf becomes one global ``jax.Array`` with ``PartitionSpec()``. Host
+    values are copied straight to this process's devices, with no cross-process
+    communication, so every process must pass the same values. For large sharded
+    state, prefer building it under ``jax.jit(..., out_shardings=...)``.
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> params = meshkit.replicate({"w": np.ones(3)}, mesh)
+        >>> params["w"].sharding.is_fully_replicated
+        True
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"replicate needs a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def put(leaf: Any) -> jax.Array:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
+        if jax.process_count() == 1:
+            return jax.device_put(leaf, sharding)
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Copies every leaf of ``tree`` to a numpy array holding its full global value.
+
+    The replacement for ``flax.jax_utils.unreplicate``. Arrays that this process
+    can read in full (single process, or fully replicated) are copied locally;
+    arrays sharded across processes are all-gathered, so with several processes
+    every process must call ``to_host`` on the same tree (it is a collective).
+
+    Example:
+        >>> import numpy as np, meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> batch = meshkit.shard_batch(np.arange(8), meshkit.batch_sharding(mesh))
+        >>> meshkit.to_host(batch).tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+
+    def get(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array):
+            return np.asarray(leaf)
+        if leaf.is_fully_addressable:
+            return np.asarray(leaf)
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+    return jax.tree.map(get, tree)

@@ -1,0 +1,209 @@
+"""Run a function or a script in several local JAX processes with fake CPU devices."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, backend_started
+
+
+class ProcessFailedError(RuntimeError):
+    """A child process failed or timed out; the message holds its log."""
+
+
+def set_cpu_devices(count: int) -> None:
+    """Makes JAX's CPU backend show ``count`` devices; call before any JAX use.
+
+    Example:
+        >>> from meshkit.testing import set_cpu_devices
+        >>> set_cpu_devices(8)  # doctest: +SKIP
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"The CPU device count must be a positive int, got {count!r}.")
+    if backend_started():
+        current = jax.local_device_count()
+        if current == count:
+            return
+        raise RuntimeError(
+            f"Cannot set {count} CPU devices: the JAX backend has already started with "
+            f"{current}. Call set_cpu_devices before any other JAX use (in tests, from "
+            "conftest.py), or set JAX_NUM_CPU_DEVICES in the environment."
+        )
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _target_of(function: Callable[..., Any]) -> tuple[str, str, str]:
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", "")
+    if module is None or "<" in qualname or module == "__main__":
+        raise ValueError(
+            f"run_processes needs a function defined at the top level of an importable "
+            f"module, got {function!r} (module {module!r}). Move it to module level."
+        )
+    file = getattr(sys.modules[module], "__file__", None) or ""
+    return module, file, qualname
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_processes(
+    target: Callable[..., Any] | Sequence[str],
+    *args: Any,
+    num_processes: int = 2,
+    devices_per_process: int = 4,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> list[Any]:
+    """Runs ``target`` in ``num_processes`` local processes joined by ``jax.distributed``.
+
+    Each process gets ``devices_per_process`` fake CPU devices and the environment
+    that ``meshkit.distributed.initialize()`` reads (coordinator on 127.0.0.1 at a
+    free port), so a pod run can be rehearsed on one machine.
+
+    Args:
+      target: a module-level function, called as ``target(*args)`` in every process
+        after ``initialize()``; or a command line (``["script.py", "--flag"]``, run with
+        this Python) that calls ``initialize()`` itself.
+      *args: picklable arguments for a function target.
+      num_processes: how many processes.
+      devices_per_process: fake CPU devices in each.
+      timeout: seconds before every process is killed and ``ProcessFailedError`` raised.
+      env: extra environment variables for the children.
+      log_dir: where to keep each process's log (``process_<i>.log``); a temporary
+        folder by default.
+
+    Returns:
+      What the function returned in each process, in process order (``None`` for
+      commands).
+
+    Raises:
+      ProcessFailedError: a process exited non-zero or the timeout passed; the message
+        includes the failing process's output and traceback.
+
+    Example:
+        >>> from meshkit.testing import run_processes
+        >>> code = "import meshkit; meshkit.distributed.initialize()"
+        >>> run_processes(["-c", code])  # doctest: +SKIP
+        [None, None]
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError(
+            f"num_processes and devices_per_process must be >= 1, got {num_processes} "
+            f"and {devices_per_process}."
+        )
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="meshkit-"))
+        logs = Path(log_dir)
+        logs.mkdir(parents=True, exist_ok=True)
+        if callable(target):
+            payload = logs / "target.pkl"
+            payload.write_bytes(pickle.dumps((_target_of(target), args)))
+            command = ["-m", "meshkit.testing._worker", str(payload)]
+        else:
+            command = list(target)
+        return _run(
+            command,
+            logs,
+            num_processes=num_processes,
+            devices_per_process=devices_per_process,
+            timeout=timeout,
+            extra_env=env or {},
+        )
+
+
+def _run(
+    command: list[str],
+    logs: Path,
+    *,
+    num_processes: int,
+    devices_per_process: int,
+    timeout: float,
+    extra_env: dict[str, str],
+) -> list[Any]:
+    address = f"127.0.0.1:{free_port()}"
+    children: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for process_id in range(num_processes):
+            env = {
+                **os.environ,
+                **extra_env,
+                ENV_COORDINATOR: address,
+                ENV_NUM_PROCESSES: str(num_processes),
+                ENV_PROCESS_ID: str(process_id),
+                "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+                "JAX_PLATFORMS": "cpu",
+                "MESHKIT_RESULT": str(logs / f"result_{process_id}.pkl"),
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])
+                ),
+            }
+            log = logs / f"process_{process_id}.log"
+            with log.open("wb") as out:
+                child = subprocess.Popen(
+                    [sys.executable, *command],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            children.append((child, log))
+        _wait(children, timeout)
+    finally:
+        for child, _ in children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    results = []
+    for process_id in range(num_processes):
+        result = logs / f"result_{process_id}.pkl"
+        results.append(pickle.loads(result.read_bytes()) if result.exists() else None)
+    return results
+
+
+def _wait(children: list[tuple[subprocess.Popen[bytes], Path]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [child.poll() for child, _ in children]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            # Give the others a moment to report their own errors, then show the first failure.
+            time.sleep(0.5)
+            i = failed[0]
+            raise ProcessFailedError(
+                f"Process {i} of {len(children)} exited with code {codes[i]}; its log "
+                f"({children[i][1]}):\n{_tail(children[i][1])}"
+            )
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            running = [i for i, code in enumerate(codes) if code is None]
+            raise ProcessFailedError(
+                f"Processes {running} were still running after {timeout:.0f} s and were killed. "
+                f"Log of process {running[0]}:\n{_tail(children[running[0]][1])}"
+            )
+        time.sleep(0.05)

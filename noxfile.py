@@ -1,0 +1,52 @@
+"""Project tasks: ``nox -s tests lint typecheck docs bench``."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole suite at 1 and at 8 fake CPU devices, then the multi-process tests."""
+    session.install("-e", ".[test]")
+    args = session.posargs
+    for devices in ("1", "8"):
+        session.run(
+            "pytest", "-m", "not multiprocess", *args, env={"MESHKIT_TEST_DEVICES": devices}
+        )
+    session.run("pytest", "tests", "-m", "multiprocess", *args)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff format --check and ruff check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """pyright over the package, recipes, benchmarks and tests."""
+    session.install("-e", ".[test]", "pyright>=1.1.380", "nox")
+    session.run("pyright")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Builds the docs site with mkdocs --strict."""
+    session.install("-e", ".[docs,recipes]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Runs every benchmark in benchmarks/ (A B A B comparisons; prints tables, writes JSON)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks", *session.posargs)

@@ -1,0 +1,31 @@
+"""Sets the fake CPU device count before any test touches the JAX backend.
+
+``MESHKIT_TEST_DEVICES`` (default 8) chooses it; ``nox -s tests`` runs the suite at 1
+and at 8. Tests that need more devices than exist skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+from meshkit.testing import set_cpu_devices
+
+DEVICES = int(os.environ.get("MESHKIT_TEST_DEVICES", "8"))
+
+jax.config.update("jax_platforms", "cpu")
+set_cpu_devices(DEVICES)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "devices(n): needs at least n JAX devices; skipped otherwise"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("devices")
+    if marker is not None and jax.device_count() < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} devices, have {jax.device_count()}")

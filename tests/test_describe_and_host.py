@@ -1,0 +1,86 @@
+"""describe, replicate and to_host on one process."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import meshkit
+from meshkit._describe import format_bytes
+
+
+def _row(report: str, path: str) -> list[str]:
+    line = next(line for line in report.splitlines() if line.startswith(path + " "))
+    return line.split()
+
+
+@pytest.mark.devices(8)
+def test_describe_tree_reports_bytes_per_device_against_numpy():
+    mesh = meshkit.make_mesh("data=4,model=2")
+    tree = {
+        "kernel": jax.ShapeDtypeStruct((800, 256), jnp.float32),
+        "bias": jax.ShapeDtypeStruct((256,), jnp.bfloat16),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    rules = meshkit.PartitionRules([("kernel", P("data", "model"))])
+    shardings = meshkit.infer_shardings(tree, mesh, rules)
+    report = meshkit.describe(tree, shardings)
+    assert "Mesh data=4 × model=2" in report and "axis types (Auto, Auto)" in report
+    kernel = _row(report, "kernel")
+    assert kernel[1:3] == ["(800,", "256)"] and "float32" in kernel
+    assert f"{800 * 256 * 4 / 8 / 1024:.1f}" in kernel  # 100.0 KiB per device
+    assert "P(" in " ".join(_row(report, "bias"))
+    per_device = 800 * 256 * 4 / 8 + 256 * 2 + 4
+    total = 800 * 256 * 4 + 256 * 2 + 4
+    assert report.splitlines()[-1] == (
+        f"3 leaves: {format_bytes(total)} in all, {format_bytes(per_device)} per device"
+    )
+
+
+def test_describe_concrete_arrays_and_host_leaves():
+    mesh = meshkit.make_mesh("data=-1")
+    n = jax.device_count()
+    batch = meshkit.shard_batch(
+        {"x": np.zeros((2 * n, 3), np.float32)}, meshkit.batch_sharding(mesh)
+    )
+    report = meshkit.describe({"batch": batch, "host": np.zeros(5)})
+    assert "P('data')" in report
+    assert "host (not on devices)" in report
+    x_line = next(line for line in report.splitlines() if line.startswith("batch/x"))
+    assert f"  {2 * 3 * 4} B  " in x_line  # two rows of 3 float32 on each device
+
+
+def test_describe_mesh_grid_lists_every_device():
+    mesh = meshkit.make_mesh("data=-1")
+    report = meshkit.describe(mesh)
+    for device in jax.devices():
+        assert f"{device.id}@p0" in report
+    with pytest.raises(ValueError, match="takes no shardings"):
+        meshkit.describe(mesh, {})
+
+
+def test_describe_shardings_structure_mismatch():
+    mesh = meshkit.make_mesh("data=-1")
+    shardings = meshkit.infer_shardings({"a": np.zeros(2)}, mesh)
+    with pytest.raises(ValueError, match="1 leaves but the tree has 2"):
+        meshkit.describe({"a": np.zeros(2), "b": np.zeros(2)}, shardings)
+
+
+def test_replicate_and_to_host_round_trip():
+    mesh = meshkit.make_mesh("data=-1")
+    tree = {"w": np.arange(6.0).reshape(2, 3), "step": np.int32(3), "s": 1.5}
+    placed = meshkit.replicate(tree, mesh)
+    for leaf in jax.tree.leaves(placed):
+        assert (
+            leaf.sharding.is_fully_replicated
+            and len(leaf.sharding.device_set) == jax.device_count()
+        )
+    back = meshkit.to_host(placed)
+    np.testing.assert_array_equal(back["w"], tree["w"])
+    assert back["step"] == 3 and back["s"] == 1.5
+    assert isinstance(back["w"], np.ndarray)
+    with pytest.raises(TypeError, match=r"needs a jax\.sharding\.Mesh"):
+        meshkit.replicate(tree, "data")  # type: ignore[arg-type]
