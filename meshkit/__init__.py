@@ -9,6 +9,8 @@ from meshkit._batch import DataShard as DataShard
 from meshkit._batch import batch_sharding as batch_sharding
 from meshkit._batch import data_shard as data_shard
 from meshkit._batch import shard_batch as shard_batch
+from meshkit._compiles import CompileLog as CompileLog
+from meshkit._compiles import count_compiles as count_compiles
 from meshkit._describe import describe as describe
 from meshkit._host import replicate as replicate
 from meshkit._host import to_host as to_host

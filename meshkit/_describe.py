@@ -78,7 +78,7 @@ def _spec_str(sharding: Sharding | None) -> str:
     return type(sharding).__name__
 
 
-def _describe_tree(tree: Any, shardings: Any | None) -> str:
+def _describe_tree(tree: Any, shardings: Any | None, show_mesh: bool) -> str:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if shardings is None:
         leaf_shardings = [_leaf_sharding(leaf) for _, leaf in leaves]
@@ -120,7 +120,7 @@ def _describe_tree(tree: Any, shardings: Any | None) -> str:
     def fmt(row: tuple[str, ...]) -> str:
         return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
 
-    lines = [_describe_mesh(mesh) for mesh in meshes]
+    lines = [_describe_mesh(mesh) for mesh in meshes] if show_mesh else []
     lines += [fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)]
     lines.append(
         f"{len(rows)} leaves: {format_bytes(total)} in all, {format_bytes(per_device)} per device"
@@ -128,7 +128,7 @@ def _describe_tree(tree: Any, shardings: Any | None) -> str:
     return "\n".join(lines)
 
 
-def describe(tree: Any, shardings: Any | None = None) -> str:
+def describe(tree: Any, shardings: Any | None = None, *, show_mesh: bool = True) -> str:
     """A readable report of a mesh, or of the shardings of every leaf of a pytree.
 
     For a pytree, each leaf gets its path, shape, dtype, ``PartitionSpec``, bytes per
@@ -142,6 +142,7 @@ def describe(tree: Any, shardings: Any | None = None) -> str:
       tree: a ``jax.sharding.Mesh`` or a pytree.
       shardings: optional pytree of shardings matching ``tree``; by default each
         leaf's own ``.sharding`` is used.
+      show_mesh: whether a pytree's report starts with its mesh(es).
 
     Returns:
       The report, as a string.
@@ -157,4 +158,4 @@ def describe(tree: Any, shardings: Any | None = None) -> str:
         if shardings is not None:
             raise ValueError("describe(mesh) takes no shardings; pass a pytree to see shardings.")
         return _describe_mesh(tree)
-    return _describe_tree(tree, shardings)
+    return _describe_tree(tree, shardings, show_mesh)

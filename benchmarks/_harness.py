@@ -1,0 +1,108 @@
+"""A B A B timing: candidates run interleaved in one process, medians and ratios of totals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+import meshkit
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call of one candidate, over all rounds."""
+
+    name: str
+    seconds: list[float]
+    compiles: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds)
+
+
+def interleave(
+    candidates: Mapping[str, Callable[[], Any]], *, rounds: int, warmup: int = 2
+) -> dict[str, Timing]:
+    """Calls each candidate once per round, in turn (A B A B ...), after ``warmup`` rounds.
+
+    Each candidate must block until its work is done (``jax.block_until_ready``).
+    ``Timing.compiles`` counts every XLA compilation a candidate triggered, warm-up
+    included (the first call's compile is expected; more mean recompiles).
+    """
+    timings = {name: Timing(name, []) for name in candidates}
+    for round_index in range(warmup + rounds):
+        for name, run in candidates.items():
+            with meshkit.count_compiles() as log:
+                start = time.perf_counter()
+                run()
+                elapsed = time.perf_counter() - start
+            timings[name].compiles += log.count()
+            if round_index >= warmup:
+                timings[name].seconds.append(elapsed)
+    return timings
+
+
+def environment() -> dict[str, Any]:
+    """Versions and devices, recorded beside every result."""
+    import flax
+    import optax
+
+    devices = jax.devices()
+    return {
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "python": platform.python_version(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "machine": platform.machine(),
+    }
+
+
+def report(
+    title: str, timings: Mapping[str, Timing], *, baseline: str, unit: str = "step"
+) -> dict[str, Any]:
+    """Prints a table (median, total, ratio of totals vs ``baseline``) and returns it as a dict."""
+    base = timings[baseline]
+    print(f"\n{title}")
+    print(
+        f"{'candidate':<34} {'median ms/' + unit:>16} {'total s':>9} {'total/base':>11} {'compiles':>9}"
+    )
+    rows = {}
+    for name, t in timings.items():
+        ratio = t.total / base.total
+        print(f"{name:<34} {t.median * 1e3:>16.3f} {t.total:>9.3f} {ratio:>11.3f} {t.compiles:>9}")
+        rows[name] = {
+            "median_s": t.median,
+            "total_s": t.total,
+            "rounds": len(t.seconds),
+            "ratio_of_totals_vs_baseline": ratio,
+            "compiles": t.compiles,
+        }
+    return {"title": title, "baseline": baseline, "candidates": rows}
+
+
+def save(name: str, results: dict[str, Any]) -> Path:
+    """Writes ``benchmarks/results/<name>.json`` with the environment beside the numbers."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **results}, indent=2))
+    print(f"\nwrote {path}")
+    return path

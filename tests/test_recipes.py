@@ -1,0 +1,35 @@
+"""Smoke tests: each recipe runs as a user would run it and prints its expected result."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from meshkit.testing import run_processes
+
+
+def run_recipe(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_sharding_demo_matches_one_device_loss():
+    stdout = run_recipe("recipes.sharding_demo")
+    match = re.search(r"loss on 8 devices: (\d+\.\d+)  \(1 device: (\d+\.\d+)\)", stdout)
+    assert match and match.group(1) == match.group(2), stdout[-500:]
+    assert "params/Dense_0/kernel  (64, 512)  float32  P(None, 'data')  16.0 KiB" in stdout
+
+
+@pytest.mark.multiprocess
+def test_sharding_demo_on_two_processes(tmp_path):
+    run_processes(["-m", "recipes.sharding_demo"], log_dir=tmp_path)
+    log = (tmp_path / "process_0.log").read_text()
+    assert "8 cpu devices in 2 processes" in log
+    assert re.search(r"loss on 8 devices: (\S+)  \(1 device: \1\)", log), log[-500:]
+    assert "loss on" not in (tmp_path / "process_1.log").read_text()
