@@ -82,9 +82,8 @@ def report(
     """Prints a table (median, total, ratio of totals vs ``baseline``) and returns it as a dict."""
     base = timings[baseline]
     print(f"\n{title}")
-    print(
-        f"{'candidate':<34} {'median ms/' + unit:>16} {'total s':>9} {'total/base':>11} {'compiles':>9}"
-    )
+    columns = f"{'median ms/' + unit:>16} {'total s':>9} {'total/base':>11} {'compiles':>9}"
+    print(f"{'candidate':<34} {columns}")
     rows = {}
     for name, t in timings.items():
         ratio = t.total / base.total

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 
@@ -49,10 +48,10 @@ def count_compiles() -> Iterator[CompileLog]:
     log = CompileLog()
     lock = threading.Lock()
 
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             with lock:
-                log.events.append((str(kwargs.get("fun_name", "?")), duration))
+                log.events.append((str(kwargs.get("fun_name", "?")), duration_secs))
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -27,7 +27,7 @@ import meshkit
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
     parser.add_argument("--rules", choices=["fsdp", "replicated"], default="fsdp")
     parser.add_argument(
@@ -72,19 +72,20 @@ def main() -> None:
     )
 
     # The batch: this process's rows of the digits set, as one global array.
-    digits = load_digits()
+    images, labels = load_digits(return_X_y=True)
     batch_sharding = meshkit.batch_sharding(mesh)
-    data_size = mesh.shape["data"] if "data" in mesh.shape else 1
-    global_batch = len(digits.target) // data_size * data_size
+    data_size = mesh.shape.get("data", 1)
+    global_batch = len(labels) // data_size * data_size
     rows = meshkit.data_shard(batch_sharding, global_batch).slice
     local = {
-        "image": (digits.data[:global_batch] / 16.0).astype(np.float32)[rows],
-        "label": digits.target[:global_batch].astype(np.int32)[rows],
+        "image": (np.asarray(images)[:global_batch] / 16.0).astype(np.float32)[rows],
+        "label": np.asarray(labels)[:global_batch].astype(np.int32)[rows],
     }
     batch = meshkit.shard_batch(local, batch_sharding, global_batch_size=global_batch)
 
     def loss_fn(params, batch):
         logits = model.apply(params, batch["image"])
+        assert isinstance(logits, jax.Array)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
     loss = jax.jit(
