@@ -1,0 +1,171 @@
+"""Train and eval pipelines, and the global batch iterator, on one process."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator, TrainPipeline
+
+
+def make_source(n: int = 100) -> ArraySource:
+    x = np.arange(n, dtype=np.float32)
+    return ArraySource({"x": x, "y": (np.arange(n) % 7).astype(np.int32)})
+
+
+def pipeline(source=None, batch=16, mesh="data=-1", **kwargs) -> TrainPipeline:
+    sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh))
+    return TrainPipeline(source or make_source(), global_batch_size=batch, sharding=sharding, **kwargs)
+
+
+def global_batches(iterator: GlobalBatchIterator, steps: int) -> list[np.ndarray]:
+    with iterator:
+        return [meshkit.to_host(next(iterator)["x"]) for _ in range(steps)]
+
+
+def test_each_epoch_visits_every_kept_example_once_in_a_new_order():
+    p = pipeline(batch=16, seed=5)
+    assert p.steps_per_epoch == 6  # 100 // 16: the last 4 examples of each epoch are dropped
+    epochs = []
+    for epoch in range(3):
+        rows = np.concatenate([p.global_indices(epoch * 6 + s) for s in range(6)])
+        assert len(rows) == len(set(rows.tolist())) == 96
+        epochs.append(rows)
+    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
+    np.testing.assert_array_equal(np.sort(p.epoch_order(1)), np.arange(100))
+
+
+def test_seed_and_epoch_do_not_alias():
+    assert not np.array_equal(pipeline(seed=1).epoch_order(0), pipeline(seed=0).epoch_order(1))
+    assert not np.array_equal(pipeline(seed=0).epoch_order(0), pipeline(seed=1).epoch_order(0))
+
+
+def test_batches_match_indices_and_resume_is_exact():
+    p = pipeline(batch=16, seed=2)
+    source_x = make_source().arrays["x"]
+    straight = [b["x"] for b, _ in zip(p.dataset(), range(10), strict=False)]
+    for step, batch in enumerate(straight):
+        np.testing.assert_array_equal(batch, source_x[p.global_indices(step)])
+    resumed = [b["x"] for b, _ in zip(p.dataset(start_step=4), range(6), strict=False)]
+    for a, b in zip(straight[4:], resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_iterator_state_round_trip_resumes_exactly():
+    p = pipeline(batch=16, seed=9)
+    full = global_batches(GlobalBatchIterator(p), 8)
+    first = GlobalBatchIterator(p)
+    for _ in range(3):
+        next(first)
+    state = first.state()
+    first.close()
+    assert state == {"step": 3, "seed": 9, "global_batch_size": 16, "fingerprint": p.fingerprint}
+    resumed = global_batches(GlobalBatchIterator(p, state=state), 5)
+    for a, b in zip(full[3:], resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seed": 1}, "seed: saved 0, now 1"),
+        ({"batch": 24}, "global_batch_size: saved 16, now 24"),
+        ({"source": make_source(99)}, "fingerprint: saved"),
+    ],
+)
+def test_resume_refuses_a_different_pipeline(change, message):
+    saved = {"step": 2, **pipeline(seed=0, batch=16).state_fields()}
+    other = pipeline(
+        source=change.get("source"), batch=change.get("batch", 16), seed=change.get("seed", 0)
+    )
+    with pytest.raises(ValueError, match="Cannot resume") as info:
+        GlobalBatchIterator(other, state=saved)
+    assert message in str(info.value)
+
+
+def test_finite_pipeline_stops_and_has_length():
+    p = pipeline(source=make_source(96), batch=24, num_epochs=2, shuffle=False)
+    iterator = GlobalBatchIterator(p)
+    assert len(iterator) == 8
+    batches = [meshkit.to_host(b["x"]) for b in iterator]
+    assert len(batches) == 8 and len(iterator) == 0
+    np.testing.assert_array_equal(np.concatenate(batches[:4]), np.arange(96))
+    with pytest.raises(StopIteration):
+        next(iterator)
+    iterator.close()
+
+
+def test_closed_iterator_says_so():
+    iterator = GlobalBatchIterator(pipeline(), prefetch=1)
+    next(iterator)
+    iterator.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(iterator)
+
+
+@pytest.mark.devices(8)
+def test_global_batches_do_not_depend_on_the_mesh():
+    def augment(record, rng):
+        return {"x": record["x"] + rng.normal(), "y": record["y"]}
+
+    layouts = ["data=8", "data=4,model=2", "data=2,model=4"]
+    streams = [
+        global_batches(GlobalBatchIterator(pipeline(mesh=m, batch=16, seed=4, transform=augment)), 5)
+        for m in layouts
+    ]
+    for other in streams[1:]:
+        for a, b in zip(streams[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert not np.allclose(streams[0][0], np.round(streams[0][0]))  # augmentation ran
+
+
+def test_pipeline_errors_are_clear():
+    with pytest.raises(ValueError, match="fewer than one global batch of 128"):
+        pipeline(batch=128)
+    with pytest.raises(TypeError, match="ArraySource"):
+        pipeline(source=[1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_epochs must be"):
+        pipeline(num_epochs=0)
+    if jax.device_count() == 8:
+        with pytest.raises(ValueError, match="multiple of the 8 shards"):
+            pipeline(batch=12)
+
+
+EVAL_SIZES = sorted({0, 1, 7, 8, 9, 4097, jax.device_count() - 1 or 1, jax.device_count() + 1})
+
+
+@pytest.mark.parametrize("n", EVAL_SIZES)
+def test_eval_pipeline_visits_every_example_exactly_once(n):
+    batch = 8 * 16
+    source = ArraySource({"x": np.arange(n, dtype=np.float32) * 3})
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    p = EvalPipeline(source, global_batch_size=batch, sharding=sharding)
+    assert p.num_steps == math.ceil(n / batch)
+    seen_index, seen_x, masks = [], [], 0
+    with GlobalBatchIterator(p) as batches:
+        for b in batches:
+            host = meshkit.to_host(b)
+            assert host["x"].shape == (batch,)
+            mask = host["mask"]
+            masks += int(mask.sum())
+            seen_index.append(host["index"][mask])
+            seen_x.append(host["x"][mask])
+            assert (host["index"][~mask] == -1).all() and (host["x"][~mask] == 0).all()
+    assert masks == n
+    if n:
+        np.testing.assert_array_equal(np.concatenate(seen_index), np.arange(n))
+        np.testing.assert_array_equal(np.concatenate(seen_x), np.arange(n) * 3)
+
+
+def test_eval_transform_applies_to_real_rows_only():
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    source = ArraySource({"x": np.arange(5.0)})
+    p = EvalPipeline(
+        source, global_batch_size=8, sharding=sharding, transform=lambda r: {"x": r["x"] + 1}
+    )
+    (only,) = list(p.dataset())
+    np.testing.assert_array_equal(only["x"], [1, 2, 3, 4, 5, 0, 0, 0])
