@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,20 +161,37 @@ def _local_rows(local_batch: Any) -> int:
     return next(iter(rows.values()))
 
 
-def _global_batch_size(local_rows: int, sharding: NamedSharding) -> int:
-    """Infers the global batch size, checking that all processes agree."""
+def _digest(local_batch: Any) -> int:
+    digest = hashlib.blake2b(digest_size=7)
+    for leaf in jax.tree.leaves(local_batch):
+        digest.update(np.ascontiguousarray(leaf).data)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _global_batch_size(local_batch: Any, local_rows: int, sharding: NamedSharding) -> int:
+    """Infers the global batch size, checking that processes agree on rows and replicas."""
     if jax.process_count() == 1:
         return local_rows
-    counts = np.asarray(multihost_utils.process_allgather(np.int64(local_rows)))
-    if len(set(counts.tolist())) > 1:
+    blocks = data_shard(sharding, _leading_dim_shards(sharding))
+    mine = np.array([local_rows, blocks.index, _digest(local_batch)], dtype=np.int64)
+    gathered = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    rows = gathered[:, 0].tolist()
+    if len(set(rows)) > 1:
         raise ValueError(
             f"Processes passed different numbers of rows to shard_batch: "
-            f"{dict(enumerate(counts.tolist()))} (process: rows). Every process must load "
+            f"{dict(enumerate(rows))} (process: rows). Every process must load "
             "the same number of rows per batch; drop the global remainder for training, "
             "and pad evaluation batches with a mask."
         )
-    shards = _leading_dim_shards(sharding)
-    blocks = data_shard(sharding, shards)
+    for index in set(gathered[:, 1].tolist()):
+        replicas = np.flatnonzero(gathered[:, 1] == index)
+        if len(set(gathered[replicas, 2].tolist())) > 1:
+            raise ValueError(
+                f"Processes {replicas.tolist()} hold replicas of the same rows (row block "
+                f"{index} of {blocks.count}) but passed different data. Choose rows with "
+                "meshkit.data_shard(sharding, global_batch_size).slice, not with "
+                "jax.process_index(): replicas must load identical rows."
+            )
     return local_rows * blocks.count
 
 
@@ -188,8 +206,9 @@ def shard_batch(
         batch.
       sharding: the batch sharding, e.g. from ``batch_sharding``.
       global_batch_size: rows in the global batch. When given, no cross-process
-        communication is needed; when omitted on several processes, one small
-        all-gather checks that all processes agree and infers it (pass it in hot loops).
+        communication is needed. When omitted on several processes, one small
+        all-gather infers it and checks that all processes passed the same number of
+        rows and that replicas passed identical data (pass it in hot loops).
 
     Returns:
       The same pytree with global ``jax.Array`` leaves sharded by ``sharding``.
@@ -205,7 +224,7 @@ def shard_batch(
     sharding = _check_batch_sharding(sharding)
     rows = _local_rows(local_batch)
     if global_batch_size is None:
-        global_batch_size = _global_batch_size(rows, sharding)
+        global_batch_size = _global_batch_size(local_batch, rows, sharding)
     shard = data_shard(sharding, global_batch_size)
     if rows != shard.size:
         raise ValueError(

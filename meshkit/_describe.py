@@ -21,6 +21,11 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _plural(count: int, noun: str) -> str:
+    suffix = "" if count == 1 else "es" if noun.endswith("s") else "s"
+    return f"{count} {noun}{suffix}"
+
+
 def _axis_type_name(axis_type: Any) -> str:
     return getattr(axis_type, "name", str(axis_type))
 
@@ -31,8 +36,8 @@ def _describe_mesh(mesh: Mesh) -> str:
     processes = len({d.process_index for d in mesh.devices.flat})
     platform = mesh.devices.flat[0].platform
     lines = [
-        f"Mesh {axes}  axis types ({types})  {mesh.devices.size} {platform} devices "
-        f"in {processes} process{'es' if processes > 1 else ''}",
+        f"Mesh {axes}  axis types ({types})  {_plural(mesh.devices.size, platform + ' device')} "
+        f"in {_plural(processes, 'process')}",
     ]
     grid = np.vectorize(lambda d: f"{d.id}@p{d.process_index}", otypes=[object])(mesh.devices)
     if grid.ndim == 1:

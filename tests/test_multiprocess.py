@@ -158,3 +158,23 @@ def test_timeout_kills_all_children():
 def test_run_processes_rejects_lambdas():
     with pytest.raises(ValueError, match="top level of an importable module"):
         run_processes(lambda: None)
+
+
+def child_replicas_loading_by_process_index() -> str:
+    devices = sorted(jax.devices(), key=lambda d: (d.id % 4, d.process_index))
+    mesh = meshkit.make_mesh("data=4,replica=2", devices=devices)
+    half = BATCH // 2
+    rows = slice(
+        jax.process_index() * half, (jax.process_index() + 1) * half
+    )  # the classic mistake
+    try:
+        meshkit.shard_batch(global_batch()["x"][rows], meshkit.batch_sharding(mesh))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_replicas_that_load_different_rows_are_caught():
+    for message in run_processes(child_replicas_loading_by_process_index):
+        assert "Processes [0, 1] hold replicas of the same rows" in message
+        assert "not with jax.process_index()" in message
