@@ -19,7 +19,9 @@ def make_source(n: int = 100) -> ArraySource:
 
 def pipeline(source=None, batch=16, mesh="data=-1", **kwargs) -> TrainPipeline:
     sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh))
-    return TrainPipeline(source or make_source(), global_batch_size=batch, sharding=sharding, **kwargs)
+    return TrainPipeline(
+        source or make_source(), global_batch_size=batch, sharding=sharding, **kwargs
+    )
 
 
 def global_batches(iterator: GlobalBatchIterator, steps: int) -> list[np.ndarray]:
@@ -114,7 +116,9 @@ def test_global_batches_do_not_depend_on_the_mesh():
 
     layouts = ["data=8", "data=4,model=2", "data=2,model=4"]
     streams = [
-        global_batches(GlobalBatchIterator(pipeline(mesh=m, batch=16, seed=4, transform=augment)), 5)
+        global_batches(
+            GlobalBatchIterator(pipeline(mesh=m, batch=16, seed=4, transform=augment)), 5
+        )
         for m in layouts
     ]
     for other in streams[1:]:
