@@ -1,5 +1,13 @@
 """Grain pipelines that feed exact, resumable global batches, on one process or many."""
 
+from meshkit.data._array_record import ArrayRecordSource as ArrayRecordSource
+from meshkit.data._array_record import write_array_record as write_array_record
+from meshkit.data._digits import digits as digits
+from meshkit.data._digits import synthetic as synthetic
+from meshkit.data._files import cifar10 as cifar10
+from meshkit.data._files import cifar100 as cifar100
+from meshkit.data._files import fashion_mnist as fashion_mnist
+from meshkit.data._files import mnist as mnist
 from meshkit.data._iterator import GlobalBatchIterator as GlobalBatchIterator
 from meshkit.data._iterator import check_state as check_state
 from meshkit.data._pipeline import EvalPipeline as EvalPipeline

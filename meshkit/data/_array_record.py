@@ -1,0 +1,268 @@
+"""ArrayRecord files of fixed-shape examples: a writer for any source, and a reader.
+
+Layout: one ArrayRecord record per example, holding the raw bytes of its fields
+concatenated in a fixed order, and a JSON sidecar ``<path>.json`` naming the fields,
+their dtypes and shapes, and the number of records. Records carry no pickles and no
+per-record headers, so reading is ``np.frombuffer`` at known offsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._source import Record, Source, source_fingerprint
+
+FORMAT = "meshkit.array_record.v1"
+"""The ``format`` entry of every sidecar this module writes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.dtype.str}{list(self.shape)}"
+
+
+def sidecar_path(path: str | Path) -> Path:
+    """The JSON sidecar of an ArrayRecord file: its path with ``.json`` appended.
+
+    Example:
+        >>> sidecar_path("out/train.array_record").name
+        'train.array_record.json'
+    """
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def _fields_of(record: Record) -> list[_Field]:
+    fields = []
+    for name, value in record.items():
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            raise ValueError(
+                f"Field {name!r} has dtype {array.dtype}; ArrayRecord files hold numeric or "
+                "fixed-size string arrays only."
+            )
+        fields.append(_Field(str(name), array.dtype, tuple(array.shape)))
+    return fields
+
+
+def _encode(record: Record, fields: list[_Field], index: int) -> bytes:
+    """The record's field bytes in ``fields`` order, after checking names, dtypes, shapes."""
+    if sorted(record) != sorted(field.name for field in fields):
+        raise ValueError(
+            f"Example {index} has fields {sorted(record)}; example 0 had "
+            f"{sorted(field.name for field in fields)}. All examples must share their fields."
+        )
+    parts = []
+    for field in fields:
+        array = np.asarray(record[field.name])
+        if array.dtype != field.dtype or array.shape != field.shape:
+            raise ValueError(
+                f"Example {index} has {field.name!r} of {array.dtype.str}{list(array.shape)}; "
+                f"example 0 had {field.dtype.str}{list(field.shape)}. ArrayRecord files "
+                "written here need fixed shapes and dtypes."
+            )
+        parts.append(np.ascontiguousarray(array).tobytes())
+    return b"".join(parts)
+
+
+def write_array_record(source: Source, path: str | Path) -> Path:
+    """Writes every example of ``source`` to the ArrayRecord file ``path`` (+ sidecar).
+
+    Each example becomes one record: its fields' raw bytes concatenated. All examples
+    must share field names, dtypes and shapes (those of example 0). The file is written
+    with ``group_size:1`` (fast random access) under a temporary name and renamed when
+    complete; the sidecar ``path + ".json"`` is written last.
+
+    Args:
+        source: Any :class:`Source` with at least one example.
+        path: The ArrayRecord file to write; missing parent folders are created.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: The source is empty, or an example's fields differ from example 0's.
+
+    Example:
+        >>> import tempfile
+        >>> from meshkit.data._digits import digits
+        >>> path = write_array_record(digits("test"), f"{tempfile.mkdtemp()}/test.array_record")
+        >>> len(ArrayRecordSource(path))
+        360
+    """
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = Path(path)
+    count = len(source)
+    if count < 1:
+        raise ValueError(f"Cannot write {path}: the source has no examples.")
+    first = source[0]
+    fields = _fields_of(first)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    writer = ArrayRecordWriter(str(partial), "group_size:1")
+    try:
+        for index in range(count):
+            writer.write(_encode(source[index] if index else first, fields, index))
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    partial.replace(path)
+    sidecar = {
+        "format": FORMAT,
+        "count": count,
+        "fields": [{"name": f.name, "dtype": f.dtype.str, "shape": list(f.shape)} for f in fields],
+        "source_fingerprint": source_fingerprint(source),
+    }
+    sidecar_path(path).write_text(json.dumps(sidecar, indent=1) + "\n")
+    return path
+
+
+def _parse_sidecar(path: Path, text: str) -> tuple[int, list[_Field]]:
+    """The count and fields of a sidecar; a ``ValueError`` naming ``path`` if malformed."""
+    try:
+        spec = json.loads(text)
+        count = int(spec["count"])
+        fields = [
+            _Field(str(f["name"]), np.dtype(f["dtype"]), tuple(int(n) for n in f["shape"]))
+            for f in spec["fields"]
+        ]
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(
+            f"{path} is not a valid sidecar ({type(error).__name__}: {error}); expected JSON "
+            "with 'count' and 'fields' (name, dtype, shape) as written by write_array_record."
+        ) from None
+    if spec.get("format") != FORMAT or not fields:
+        raise ValueError(
+            f"{path} has format {spec.get('format')!r} and {len(fields)} fields; expected "
+            f"format {FORMAT!r} and at least one field. Rewrite it with write_array_record."
+        )
+    return count, fields
+
+
+class ArrayRecordSource:
+    """Reads an ArrayRecord file written by :func:`write_array_record` (random access).
+
+    Records are read with ``grain.sources.ArrayRecordDataSource`` and decoded with
+    ``np.frombuffer`` into the fields the sidecar ``path + ".json"`` describes. Arrays
+    returned by ``source[i]`` are read-only views of the record's bytes;
+    ``getitems(indices)`` returns a stacked, writable batch.
+
+    Args:
+        path: The ArrayRecord file; its sidecar must sit beside it.
+
+    Raises:
+        FileNotFoundError: The file or its sidecar is missing.
+        ValueError: The sidecar is malformed, or disagrees with the file.
+
+    Example:
+        >>> import tempfile
+        >>> from meshkit.data._digits import synthetic
+        >>> path = f"{tempfile.mkdtemp()}/synthetic.array_record"
+        >>> source = ArrayRecordSource(write_array_record(synthetic(8, (4, 4, 3)), path))
+        >>> len(source), source[3]["image"].shape, source.getitems([0, 5])["label"].shape
+        (8, (4, 4, 3), (2,))
+    """
+
+    def __init__(self, path: str | Path):
+        import grain
+
+        self.path = Path(path)
+        sidecar = sidecar_path(self.path)
+        for file, what in ((self.path, "ArrayRecord file"), (sidecar, "sidecar")):
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"No {what} at {file}. Write the file and its sidecar with "
+                    "meshkit.data.write_array_record or `python -m meshkit.data.convert`."
+                )
+        text = sidecar.read_text()
+        self._count, self._fields = _parse_sidecar(sidecar, text)
+        self._record_size = sum(field.nbytes for field in self._fields)
+        try:
+            self._records: Any = grain.sources.ArrayRecordDataSource(str(self.path))
+        except Exception as error:  # the reader reports corrupt files in several ways
+            raise ValueError(
+                f"{self.path} is not a readable ArrayRecord file ({type(error).__name__}: {error})."
+            ) from None
+        if len(self._records) != self._count:
+            raise ValueError(
+                f"{self.path} holds {len(self._records)} records but {sidecar} says "
+                f"{self._count}; the two files do not belong together."
+            )
+        digest = hashlib.sha1(f"{text}|{self.path.stat().st_size}".encode())
+        self._fingerprint = f"array_record:{self.path.name}:{digest.hexdigest()[:16]}"
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        fields = ", ".join(field.describe() for field in self._fields)
+        return f"ArrayRecordSource({self.path}, {self._count} examples, {fields})"
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the sidecar's content and the file's size."""
+        return self._fingerprint
+
+    @property
+    def fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Field name -> (dtype, shape of one example), as the sidecar describes them."""
+        return {field.name: (field.dtype, field.shape) for field in self._fields}
+
+    def _key(self, index: int) -> int:
+        key = int(index) + (self._count if index < 0 else 0)
+        if not 0 <= key < self._count:
+            raise IndexError(f"Index {index} is out of range for {self._count} records.")
+        return key
+
+    def _check_size(self, record: bytes, key: int) -> None:
+        if len(record) != self._record_size:
+            fields = ", ".join(field.describe() for field in self._fields)
+            raise ValueError(
+                f"Record {key} of {self.path} has {len(record)} bytes; its sidecar describes "
+                f"{self._record_size} bytes per record ({fields}). Rewrite the file."
+            )
+
+    def __getitem__(self, index: int) -> Record:
+        key = self._key(index)
+        record = self._records[key]
+        self._check_size(record, key)
+        out, offset = {}, 0
+        for field in self._fields:
+            count = math.prod(field.shape)
+            out[field.name] = np.frombuffer(record, field.dtype, count, offset).reshape(field.shape)
+            offset += field.nbytes
+        return out
+
+    def getitems(self, indices: Sequence[int] | np.ndarray) -> Record:
+        """The examples at ``indices`` stacked into one batch per field (one batched read)."""
+        keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
+        records = self._records.__getitems__(keys) if keys else []
+        for key, record in zip(keys, records, strict=True):
+            self._check_size(record, key)
+        bytes_KxB = np.frombuffer(b"".join(records), np.uint8).reshape(len(keys), self._record_size)
+        out, offset = {}, 0
+        for field in self._fields:
+            column = np.ascontiguousarray(bytes_KxB[:, offset : offset + field.nbytes])
+            out[field.name] = column.view(field.dtype).reshape(len(keys), *field.shape)
+            offset += field.nbytes
+        return out

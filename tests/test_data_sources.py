@@ -1,0 +1,540 @@
+"""Data sources: file readers on real on-disk formats, digits, synthetic, ArrayRecord, convert.
+
+Every file is written here in its real format (IDX with big-endian headers, CIFAR
+pickles with bytes keys) and read back; corrupt variants check the error messages.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import scipy.ndimage
+
+from meshkit.data import cifar10, cifar100, fashion_mnist, mnist
+from meshkit.data._array_record import ArrayRecordSource, sidecar_path, write_array_record
+from meshkit.data._digits import (
+    _base_digits,
+    digits,
+    interpolation_matrix,
+    resize_bilinear,
+    synthetic,
+)
+from meshkit.data._source import ArraySource, Source
+from meshkit.data.convert import convert
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def write_idx(path: Path, array: np.ndarray, magic: int | None = None) -> Path:
+    """Writes ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in ``.gz``."""
+    magic = (2051 if array.ndim == 3 else 2049) if magic is None else magic
+    header = struct.pack(">i", magic) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + np.ascontiguousarray(array, np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def write_mnist(folder: Path, num_train=5, num_test=3, *, suffix="", dotted=False, seed=0):
+    """The four MNIST files with random content; returns {split: (images, labels)}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for split, prefix, n in (("train", "train", num_train), ("test", "t10k", num_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        sep = "." if dotted else "-"
+        write_idx(folder / f"{prefix}-images{sep}idx3-ubyte{suffix}", images)
+        write_idx(folder / f"{prefix}-labels{sep}idx1-ubyte{suffix}", labels)
+        arrays[split] = (images, labels)
+    return arrays
+
+
+def write_pickle(path: Path, batch: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(batch, protocol=2))
+    return path
+
+
+def cifar_batch(n: int, rng: np.random.Generator, **labels: list[int]) -> dict[bytes, object]:
+    data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+    return {b"data": data, **{key.encode(): value for key, value in labels.items()}}
+
+
+def write_cifar10(folder: Path, per_batch=2, seed=0) -> dict[str, list[dict[bytes, object]]]:
+    rng = np.random.default_rng(seed)
+    batches: dict[str, list[dict[bytes, object]]] = {"train": [], "test": []}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        labels = rng.integers(0, 10, per_batch).tolist()
+        batch = cifar_batch(per_batch, rng, labels=labels, batch_label=[0])
+        write_pickle(folder / name, batch)
+        batches["test" if name == "test_batch" else "train"].append(batch)
+    return batches
+
+
+def write_cifar100(folder: Path, n=3, seed=0) -> dict[str, dict[bytes, object]]:
+    rng = np.random.default_rng(seed)
+    batches = {}
+    for split in ("train", "test"):
+        fine, coarse = rng.integers(0, 100, n).tolist(), rng.integers(0, 20, n).tolist()
+        batches[split] = cifar_batch(n, rng, fine_labels=fine, coarse_labels=coarse)
+        write_pickle(folder / split, batches[split])
+    return batches
+
+
+def all_records(source: Source) -> dict[str, np.ndarray]:
+    records = [source[i] for i in range(len(source))]
+    return {key: np.stack([record[key] for record in records]) for key in records[0]}
+
+
+def chw_to_hwc_by_hand(data_Nx3072: np.ndarray) -> np.ndarray:
+    """Independent reference: pixel (h, w, c) is byte c*1024 + h*32 + w of a record."""
+    h, w, c = np.meshgrid(np.arange(32), np.arange(32), np.arange(3), indexing="ij")
+    return data_Nx3072[:, c * 1024 + h * 32 + w]
+
+
+# ------------------------------------------------------------------------------ MNIST
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("dotted", [False, True])
+def test_mnist_reads_idx_files(tmp_path, suffix, dotted):
+    arrays = write_mnist(tmp_path, suffix=suffix, dotted=dotted)
+    for split in ("train", "test"):
+        source = mnist(tmp_path, split)
+        images, labels = arrays[split]
+        got = all_records(source)
+        assert got["image"].dtype == np.uint8 and got["image"].shape == (len(images), 28, 28, 1)
+        assert got["label"].dtype == np.int32
+        np.testing.assert_array_equal(got["image"][..., 0], images)
+        np.testing.assert_array_equal(got["label"], labels)
+        assert isinstance(source, Source)
+
+
+def test_fashion_mnist_reads_the_same_format(tmp_path):
+    arrays = write_mnist(tmp_path, suffix=".gz")
+    source = fashion_mnist(tmp_path, "test")
+    np.testing.assert_array_equal(all_records(source)["image"][..., 0], arrays["test"][0])
+    assert source.fingerprint != mnist(tmp_path, "test").fingerprint
+
+
+def test_mnist_missing_files_lists_every_path_and_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        mnist(tmp_path, "test")
+    message = str(info.value)
+    for name in ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        assert str(tmp_path / name) in message
+        assert str(tmp_path / f"{name}.gz") in message
+    assert "homepage" in message and "--data-dir" in message
+
+
+def test_mnist_only_labels_missing_names_labels(tmp_path):
+    write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8))
+    with pytest.raises(FileNotFoundError, match="MNIST train labels not found") as info:
+        mnist(tmp_path, "train")
+    assert "train-images" not in str(info.value).split("Looked for:")[1].split("Download")[0]
+
+
+def test_mnist_wrong_magic_names_file_found_and_expected(tmp_path):
+    write_mnist(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(3, np.uint8), magic=2051)
+    with pytest.raises(ValueError) as info:
+        mnist(tmp_path, "test")
+    message = str(info.value)
+    assert "t10k-labels-idx1-ubyte" in message and "2051" in message and "expected 2049" in message
+
+
+def test_mnist_gzip_without_suffix_gets_a_hint(tmp_path):
+    write_mnist(tmp_path)
+    data = (tmp_path / "train-images-idx3-ubyte").read_bytes()
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(gzip.compress(data))
+    with pytest.raises(ValueError, match=r"expected 2051.*\.gz suffix"):
+        mnist(tmp_path, "train")
+
+
+def test_mnist_truncated_body_names_expected_and_found_bytes(tmp_path):
+    write_mnist(tmp_path, num_test=3)
+    path = tmp_path / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[: 16 + 2 * 784 + 10])
+    with pytest.raises(ValueError) as info:
+        mnist(tmp_path, "test")
+    message = str(info.value)
+    assert str(path) in message and "truncated" in message
+    assert f"3×28×28 = {3 * 784} bytes" in message and f"found {2 * 784 + 10}" in message
+
+
+def test_mnist_truncated_header_and_trailing_bytes(tmp_path):
+    write_mnist(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(struct.pack(">i", 2049) + b"\x00")
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte is truncated.*needs 8 bytes"):
+        mnist(tmp_path, "test")
+    path = write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(5, np.uint8))
+    path.write_bytes(path.read_bytes() + b"\x00")
+    with pytest.raises(ValueError, match=r"trailing bytes.*5 = 5 bytes of data, found 6"):
+        mnist(tmp_path, "train")
+
+
+def test_mnist_truncated_gzip_names_file(tmp_path):
+    write_mnist(tmp_path, suffix=".gz")
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(ValueError, match=r"Cannot decompress .*train-images-idx3-ubyte\.gz"):
+        mnist(tmp_path, "train")
+
+
+def test_mnist_count_mismatch_names_both_counts(tmp_path):
+    write_mnist(tmp_path, num_train=4)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(3, np.uint8))
+    with pytest.raises(ValueError, match=r"holds 4 images but .* holds 3 labels"):
+        mnist(tmp_path, "train")
+
+
+def test_mnist_label_out_of_range(tmp_path):
+    write_mnist(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([1, 12, 3], np.uint8))
+    with pytest.raises(ValueError, match=r"labels in \[1, 12\]; expected \[0, 9\]"):
+        mnist(tmp_path, "test")
+
+
+def test_bad_split_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="'validation'"):
+        mnist(tmp_path, "validation")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ CIFAR
+
+
+@pytest.mark.parametrize("subdir", ["", "cifar-10-batches-py"])
+def test_cifar10_reads_pickles_as_hwc(tmp_path, subdir):
+    batches = write_cifar10(tmp_path / subdir)
+    for split in ("train", "test"):
+        got = all_records(cifar10(tmp_path, split))
+        data = np.concatenate([np.asarray(b[b"data"]) for b in batches[split]])
+        labels = np.concatenate([b[b"labels"] for b in batches[split]])  # type: ignore[arg-type]
+        assert got["image"].dtype == np.uint8 and got["image"].shape == (len(data), 32, 32, 3)
+        assert got["label"].dtype == np.int32
+        np.testing.assert_array_equal(got["image"], chw_to_hwc_by_hand(data))
+        np.testing.assert_array_equal(got["label"], labels)
+    assert len(cifar10(tmp_path, "train")) == 5 * 2
+
+
+@pytest.mark.parametrize("label", ["fine", "coarse"])
+def test_cifar100_fine_and_coarse_labels(tmp_path, label):
+    batches = write_cifar100(tmp_path / "cifar-100-python")
+    got = all_records(cifar100(tmp_path, "train", label=label))
+    np.testing.assert_array_equal(got["label"], batches["train"][f"{label}_labels".encode()])
+    np.testing.assert_array_equal(
+        got["image"], chw_to_hwc_by_hand(np.asarray(batches["train"][b"data"]))
+    )
+    fine = cifar100(tmp_path, "train", label="fine").fingerprint
+    assert (fine == cifar100(tmp_path, "train", label=label).fingerprint) == (label == "fine")
+
+
+def test_cifar_missing_files_lists_both_folders(tmp_path):
+    write_pickle(tmp_path / "data_batch_1", cifar_batch(1, np.random.default_rng(0), labels=[0]))
+    with pytest.raises(FileNotFoundError) as info:
+        cifar10(tmp_path, "train")
+    message = str(info.value)
+    for folder in (tmp_path, tmp_path / "cifar-10-batches-py"):
+        for i in range(1, 6):
+            assert str(folder / f"data_batch_{i}") in message
+    assert "cifar-10-python.tar.gz" in message
+    with pytest.raises(FileNotFoundError, match=r"cifar-100-python\.tar\.gz") as info:
+        cifar100(tmp_path, "test")
+    assert str(tmp_path / "cifar-100-python" / "test") in str(info.value)
+
+
+def test_cifar_not_a_pickle_names_file(tmp_path):
+    write_cifar10(tmp_path)
+    (tmp_path / "test_batch").write_bytes(b"this is not a pickle at all")
+    with pytest.raises(ValueError, match=r"test_batch is not a readable CIFAR pickle"):
+        cifar10(tmp_path, "test")
+
+
+def test_cifar_missing_keys_names_expected_and_found(tmp_path):
+    write_cifar10(tmp_path)
+    write_pickle(tmp_path / "test_batch", {b"data": np.zeros((1, 3072), np.uint8)})
+    with pytest.raises(ValueError) as info:
+        cifar10(tmp_path, "test")
+    assert "test_batch" in str(info.value) and "b'labels'" in str(info.value)
+    write_pickle(tmp_path / "test_batch", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"expected a dict .* found list"):
+        cifar10(tmp_path, "test")
+
+
+def test_cifar_wrong_record_size(tmp_path):
+    write_cifar10(tmp_path)
+    write_pickle(
+        tmp_path / "test_batch", {b"data": np.zeros((2, 3000), np.uint8), b"labels": [0, 1]}
+    )
+    with pytest.raises(ValueError) as info:
+        cifar10(tmp_path, "test")
+    message = str(info.value)
+    assert "test_batch" in message and "(2, 3000)" in message and "3072" in message
+
+
+def test_cifar_label_count_mismatch(tmp_path):
+    write_cifar10(tmp_path)
+    batch = {b"data": np.zeros((3, 3072), np.uint8), b"labels": [0, 1]}
+    write_pickle(tmp_path / "data_batch_4", batch)
+    with pytest.raises(ValueError, match=r"data_batch_4 holds 3 images but 2 labels"):
+        cifar10(tmp_path, "train")
+
+
+# ----------------------------------------------------------------------------- digits
+
+
+@pytest.mark.parametrize("image_size", [8, 28, 32])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_digits_shapes_dtypes_ranges(image_size, channels):
+    splits: list[tuple[Literal["train", "test"], int]] = [("train", 1437), ("test", 360)]
+    for split, size in splits:
+        source = digits(split, image_size=image_size, channels=channels)
+        images, labels = source.arrays["image"], source.arrays["label"]
+        assert len(source) == size
+        assert images.shape == (size, image_size, image_size, channels)
+        assert images.dtype == np.float32 and labels.dtype == np.int32
+        assert images.min() >= 0.0 and images.max() <= 1.0 and images.max() > 0.9
+        assert set(np.unique(labels).tolist()) == set(range(10))
+        if channels == 3:
+            np.testing.assert_array_equal(images[..., 1], images[..., 0])
+            np.testing.assert_array_equal(images[..., 2], images[..., 0])
+
+
+def test_digits_split_is_the_documented_permutation_and_disjoint():
+    from sklearn.datasets import load_digits
+
+    data, target = load_digits(return_X_y=True)
+    images = np.asarray(data).reshape(-1, 8, 8)
+    order = np.random.default_rng(0).permutation(1797)
+    train, test = digits("train"), digits("test")
+    np.testing.assert_allclose(train.arrays["image"][..., 0], images[order[:1437]] / 16)
+    np.testing.assert_allclose(test.arrays["image"][..., 0], images[order[1437:]] / 16)
+    np.testing.assert_array_equal(test.arrays["label"], np.asarray(target)[order[1437:]])
+    train_images = {image.tobytes() for image in train.arrays["image"]}
+    test_images = {image.tobytes() for image in test.arrays["image"]}
+    assert len(train_images) == 1437 and len(test_images) == 360
+    assert not train_images & test_images
+
+
+def test_digits_fingerprints_differ_by_split_size_channels_and_are_stable():
+    combos = [(s, z, c) for s in ("train", "test") for z in (8, 28, 32) for c in (1, 3)]
+    prints = {digits(s, image_size=z, channels=c).fingerprint for s, z, c in combos}  # type: ignore[arg-type]
+    assert len(prints) == len(combos)
+    assert digits("test").fingerprint == digits("test").fingerprint
+
+
+def test_digits_base_arrays_are_cached():
+    digits("train")
+    hits = _base_digits.cache_info().hits
+    digits("test", image_size=28)
+    assert _base_digits.cache_info().hits > hits
+    assert not _base_digits()[0].flags.writeable
+
+
+@pytest.mark.parametrize("image_size", [28, 32])
+def test_digits_resize_matches_scipy_zoom(image_size):
+    gray = digits("test").arrays["image"][..., 0].astype(np.float64)
+    got = digits("test", image_size=image_size).arrays["image"][..., 0]
+    zoom = image_size / 8
+    for index in (0, 1, 359):
+        reference = scipy.ndimage.zoom(gray[index], zoom, order=1, grid_mode=True, mode="nearest")
+        np.testing.assert_allclose(got[index], np.asarray(reference), atol=1e-6)
+
+
+def test_resize_keeps_constants_and_rows_sum_to_one():
+    constant = np.full((2, 8, 8), 0.37, np.float32)
+    np.testing.assert_allclose(resize_bilinear(constant, 28, 32), 0.37, rtol=1e-6)
+    for size_in, size_out in ((8, 28), (8, 32), (5, 3), (8, 8)):
+        matrix = interpolation_matrix(size_in, size_out)
+        np.testing.assert_allclose(matrix.sum(axis=1), 1.0)
+    np.testing.assert_array_equal(interpolation_matrix(8, 8), np.eye(8))
+
+
+def test_digits_without_sklearn_says_what_to_install(monkeypatch):
+    _base_digits.cache_clear()
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    try:
+        with pytest.raises(ImportError, match=r"pip install scikit-learn.*meshkit\[recipes\]"):
+            digits("train")
+    finally:
+        monkeypatch.undo()
+        _base_digits.cache_clear()
+
+
+def test_synthetic_is_deterministic_with_small_dtypes():
+    a, b = synthetic(16, (8, 8, 3), seed=3), synthetic(16, (8, 8, 3), seed=3)
+    np.testing.assert_array_equal(a.arrays["image"], b.arrays["image"])
+    np.testing.assert_array_equal(a.arrays["label"], b.arrays["label"])
+    assert a.fingerprint == b.fingerprint
+    assert a.fingerprint != synthetic(16, (8, 8, 3), seed=4).fingerprint
+    assert a.arrays["image"].dtype == np.uint8 and a.arrays["image"].shape == (16, 8, 8, 3)
+    labels = synthetic(200, (2,), num_classes=3).arrays["label"]
+    assert labels.dtype == np.int32 and set(labels.tolist()) == {0, 1, 2}
+    floats = synthetic(8, (4,), dtype=np.float32).arrays["image"]
+    assert floats.dtype == np.float32 and floats.min() >= 0 and floats.max() < 1
+
+
+# ------------------------------------------------------------------------ ArrayRecord
+
+
+def assert_same_records(a: Source, b: Source) -> None:
+    assert len(a) == len(b)
+    expected, got = all_records(a), all_records(b)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert got[key].dtype == expected[key].dtype
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: digits("test", image_size=28),
+        lambda: synthetic(50, (6, 5, 3), seed=1),
+        lambda: ArraySource(
+            {
+                "x": np.arange(24, dtype=">i4").reshape(4, 3, 2),
+                "flag": np.array([True, False, True, True]),
+                "w": np.linspace(0, 1, 4),
+            }
+        ),
+    ],
+    ids=["digits", "synthetic", "mixed_dtypes"],
+)
+def test_array_record_round_trip(tmp_path, make):
+    source = make()
+    path = write_array_record(source, tmp_path / "nested" / "data.array_record")
+    assert path.is_file() and sidecar_path(path).is_file()
+    assert not list(path.parent.glob("*.partial"))
+    read = ArrayRecordSource(path)
+    assert isinstance(read, Source)
+    assert_same_records(source, read)
+    indices = np.array([3, 0, 3, len(source) - 1])
+    batch = read.getitems(indices)
+    for key, value in source.getitems(indices).items():  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(batch[key], value)
+        assert batch[key].dtype == value.dtype
+    np.testing.assert_array_equal(
+        read[-1][next(iter(batch))], read[len(read) - 1][next(iter(batch))]
+    )
+    assert ArrayRecordSource(path).fingerprint == read.fingerprint
+    restored = pickle.loads(pickle.dumps(read))
+    assert_same_records(read, restored)
+
+
+def test_array_record_sidecar_holds_fields_and_count(tmp_path):
+    path = write_array_record(synthetic(5, (2, 3)), tmp_path / "s.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    assert spec["count"] == 5
+    assert spec["fields"] == [
+        {"name": "image", "dtype": "|u1", "shape": [2, 3]},
+        {"name": "label", "dtype": "<i4", "shape": []},
+    ]
+    other = write_array_record(synthetic(5, (2, 3), seed=1), tmp_path / "t.array_record")
+    assert ArrayRecordSource(path).fingerprint != ArrayRecordSource(other).fingerprint
+
+
+def test_array_record_missing_file_or_sidecar(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"No ArrayRecord file at .*absent\.array_record"):
+        ArrayRecordSource(tmp_path / "absent.array_record")
+    path = write_array_record(synthetic(3, (2,)), tmp_path / "s.array_record")
+    sidecar_path(path).unlink()
+    with pytest.raises(FileNotFoundError, match=r"No sidecar at .*s\.array_record\.json"):
+        ArrayRecordSource(path)
+
+
+def test_array_record_size_mismatch_names_record_and_bytes(tmp_path):
+    path = write_array_record(synthetic(4, (4, 4, 3)), tmp_path / "s.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    spec["fields"][0]["shape"] = [4, 4, 4]
+    sidecar_path(path).write_text(json.dumps(spec))
+    source = ArrayRecordSource(path)
+    with pytest.raises(ValueError, match=r"Record 2 of .* has 52 bytes; .* describes 68 bytes"):
+        source[2]
+    with pytest.raises(ValueError, match=r"Record 1 .* has 52 bytes"):
+        source.getitems([1, 2])
+
+
+def test_array_record_count_and_format_mismatch(tmp_path):
+    path = write_array_record(synthetic(4, (2,)), tmp_path / "s.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    sidecar_path(path).write_text(json.dumps({**spec, "count": 9}))
+    with pytest.raises(ValueError, match=r"holds 4 records but .* says 9"):
+        ArrayRecordSource(path)
+    sidecar_path(path).write_text("{not json")
+    with pytest.raises(ValueError, match=r"s\.array_record\.json is not a valid sidecar"):
+        ArrayRecordSource(path)
+
+
+def test_array_record_rejects_inconsistent_examples_and_bad_indices(tmp_path):
+    class Ragged:
+        fingerprint = "ragged"
+
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+            return {"x": np.zeros(2 + (index == 2), np.float32)}
+
+    with pytest.raises(ValueError, match=r"Example 2 has 'x' of <f4\[3\]; example 0 had <f4\[2\]"):
+        write_array_record(Ragged(), tmp_path / "r.array_record")
+    assert not list(tmp_path.iterdir())
+    source = ArrayRecordSource(write_array_record(synthetic(3, (2,)), tmp_path / "s.array_record"))
+    with pytest.raises(IndexError, match="Index 3 is out of range for 3 records"):
+        source[3]
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def test_convert_mnist_end_to_end(tmp_path):
+    write_mnist(tmp_path / "raw", num_train=6, num_test=4, suffix=".gz")
+    paths = convert("mnist", tmp_path / "raw", tmp_path / "out")
+    assert paths == [
+        tmp_path / "out" / "train.array_record",
+        tmp_path / "out" / "test.array_record",
+    ]
+    for split, path in zip(("train", "test"), paths, strict=True):
+        assert_same_records(mnist(tmp_path / "raw", split), ArrayRecordSource(path))
+
+
+def test_convert_leaves_out_dir_untouched_when_a_file_is_missing(tmp_path):
+    write_mnist(tmp_path / "raw")
+    (tmp_path / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(FileNotFoundError):
+        convert("mnist", tmp_path / "raw", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "meshkit.data.convert", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, timeout=120, check=False
+    )
+
+
+def test_convert_cli_on_cifar10(tmp_path):
+    write_cifar10(tmp_path / "raw" / "cifar-10-batches-py", per_batch=3)
+    done = run_cli("cifar10", "--data-dir", str(tmp_path / "raw"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "train.array_record: 15 records" in done.stdout
+    assert "test.array_record: 3 records" in done.stdout
+    for split in ("train", "test"):
+        converted = ArrayRecordSource(tmp_path / "out" / f"{split}.array_record")
+        assert_same_records(cifar10(tmp_path / "raw", split), converted)
+    missing = run_cli("mnist", "--data-dir", str(tmp_path / "raw"), "--out", str(tmp_path / "o2"))
+    assert missing.returncode == 2
+    assert "MNIST train images and labels not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
