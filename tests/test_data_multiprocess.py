@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
@@ -45,7 +47,7 @@ def child_train_replica_axis() -> list[dict[str, np.ndarray]]:
     return train_stream(meshkit.make_mesh("data=4,replica=2", devices=devices))
 
 
-def child_eval(n: int) -> dict:
+def child_eval(n: int) -> dict[str, Any]:
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     pipeline = EvalPipeline(
         ArraySource({"x": np.arange(n, dtype=np.float32)}), global_batch_size=256, sharding=sharding
@@ -60,7 +62,7 @@ def child_eval(n: int) -> dict:
     return {
         "steps": pipeline.num_steps,
         "local_real": local_real,
-        "indices": np.concatenate(indices),
+        "indices": np.concatenate(indices) if indices else np.zeros(0, np.int64),
     }
 
 
@@ -85,10 +87,36 @@ def test_replica_axis_across_processes_gives_the_same_batches():
         assert_same_stream(stream, one_process)
 
 
-def test_eval_4097_examples_with_unequal_per_process_counts():
-    results = run_processes(child_eval, 4097)
-    assert [r["steps"] for r in results] == [17, 17]
-    # each process's devices hold 4 of 8 shards: process 0 gets the one real row of the last batch
-    assert [r["local_real"] for r in results] == [2049, 2048]
-    for r in results:
-        np.testing.assert_array_equal(r["indices"], np.arange(4097))
+def child_eval_sizes(sizes: list[int]) -> list[dict]:
+    return [child_eval(n) for n in sizes]
+
+
+def test_eval_every_example_once_with_unequal_per_process_counts():
+    sizes = [0, 1, 7, 8, 9, 4097]
+    results = run_processes(child_eval_sizes, sizes)
+    for i, n in enumerate(sizes):
+        per_process = [r[i] for r in results]
+        assert [r["steps"] for r in per_process] == [-(-n // 256)] * 2
+        for r in per_process:
+            np.testing.assert_array_equal(r["indices"], np.arange(n))
+        assert sum(r["local_real"] for r in per_process) == n
+    # 4097 = 16 full batches + 1: process 0's devices hold the one real row of the last batch
+    assert [r[-1]["local_real"] for r in results] == [2049, 2048]
+
+
+def first_batches_with(worker_count: int) -> list[np.ndarray]:
+    pipeline = TrainPipeline(
+        source(),
+        global_batch_size=16,
+        sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
+        seed=11,
+        transform=augment,
+        worker_count=worker_count,
+    )
+    stream = iter(pipeline.dataset(start_step=2))
+    return [next(stream)["x"] for _ in range(4)]
+
+
+def test_grain_worker_processes_give_the_same_batches_as_threads():
+    for a, b in zip(first_batches_with(0), first_batches_with(1), strict=True):
+        np.testing.assert_array_equal(a, b)

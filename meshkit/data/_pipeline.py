@@ -53,7 +53,15 @@ def _fetch(source: Source, indices: np.ndarray) -> Record:
     return stack_records([source[int(i)] for i in indices])
 
 
-class TrainPipeline:
+class _Picklable:
+    """Pipelines travel to Grain worker processes without their sharding (devices don't
+    pickle, and workers only build host batches)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "sharding": None}
+
+
+class TrainPipeline(_Picklable):
     """An endless (or ``num_epochs``-long) stream of training batches, this process's rows.
 
     Every epoch visits the examples in a new order, drawn from ``(seed, epoch)`` so
@@ -158,8 +166,8 @@ class TrainPipeline:
         Resuming is slicing: the batches from ``start_step`` equal those an
         uninterrupted run would see from there, for any number of processes or
         workers. With ``worker_count > 0`` batches are built in Grain worker processes
-        (spawned: the script needs an ``if __name__ == "__main__":`` guard, and scripts
-        using absl flags must call ``absl.flags.FLAGS.mark_as_parsed()`` first). On small
+        (spawned: the script needs an ``if __name__ == "__main__":`` guard; absl flags
+        that nobody parsed are marked as parsed, which Grain's workers need). On small
         machines threads are usually faster.
         """
         stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
@@ -177,7 +185,7 @@ class TrainPipeline:
         }
 
 
-class EvalPipeline:
+class EvalPipeline(_Picklable):
     """One pass over the source, padded to whole global batches with a mask.
 
     Every example appears exactly once globally. Global batch ``k`` holds examples
@@ -260,6 +268,17 @@ class EvalPipeline:
         return {"global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint}
 
 
+def _mark_absl_flags_parsed() -> None:
+    """Grain's worker start-up reads absl flags; unparsed flags raise in a plain script.
+
+    Programs that parse flags themselves (``absl.app.run``) are left alone.
+    """
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def _to_iter(
     batches: grain.MapDataset, pipeline: TrainPipeline | EvalPipeline
 ) -> grain.IterDataset:
@@ -268,6 +287,7 @@ def _to_iter(
     )
     iterable = batches.to_iter_dataset(read)
     if pipeline.worker_count > 0:
+        _mark_absl_flags_parsed()
         options = grain.MultiprocessingOptions(num_workers=pipeline.worker_count)
         iterable = iterable.mp_prefetch(options)
     return iterable
