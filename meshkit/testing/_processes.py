@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,122 @@ def _target_of(function: Callable[..., Any]) -> tuple[str, str, str]:
     return module, file, qualname
 
 
-def _tail(path: Path, lines: int = 60) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
+def _tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
+
+
+class ProcessGroup:
+    """Local processes joined by ``jax.distributed``, started by ``start_processes``.
+
+    Attributes:
+      processes: the ``subprocess.Popen`` of each process, in process order.
+      log_dir: the folder holding ``process_<i>.log`` (and function results).
+    """
+
+    def __init__(self, processes: list[subprocess.Popen[bytes]], log_dir: Path):
+        self.processes = processes
+        self.log_dir = log_dir
+
+    def log(self, process_id: int) -> str:
+        """Everything process ``process_id`` printed so far."""
+        path = self.log_dir / f"process_{process_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait(self, timeout: float, *, check: bool = True) -> list[int]:
+        """Waits for every process; returns their exit codes.
+
+        Raises ``ProcessFailedError`` on the timeout (after killing them all) and, with
+        ``check``, as soon as one process exits with a non-zero code.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                codes = [child.poll() for child in self.processes]
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if check and failed:
+                    time.sleep(0.5)  # let the others report their own errors first
+                    i = failed[0]
+                    raise ProcessFailedError(
+                        f"Process {i} of {len(codes)} exited with code {codes[i]}; its log "
+                        f"({self.log_dir / f'process_{i}.log'}):\n{_tail(self.log(i))}"
+                    )
+                if all(code is not None for code in codes):
+                    return [int(code) for code in codes if code is not None]
+                if time.monotonic() > deadline:
+                    running = [i for i, code in enumerate(codes) if code is None]
+                    raise ProcessFailedError(
+                        f"Processes {running} were still running after {timeout:.0f} s and were "
+                        f"killed. Log of process {running[0]}:\n{_tail(self.log(running[0]))}"
+                    )
+                time.sleep(0.05)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kills every process that is still running (and its children)."""
+        for child in self.processes:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+
+    def results(self) -> list[Any]:
+        """What a function target returned in each process (``None`` where nothing was)."""
+        paths = [self.log_dir / f"result_{i}.pkl" for i in range(len(self.processes))]
+        return [pickle.loads(p.read_bytes()) if p.exists() else None for p in paths]
+
+
+def start_processes(
+    target: Callable[..., Any] | Sequence[str],
+    *args: Any,
+    num_processes: int = 2,
+    devices_per_process: int = 4,
+    env: Mapping[str, str] | None = None,
+    log_dir: str | os.PathLike[str],
+) -> ProcessGroup:
+    """Starts ``target`` in ``num_processes`` local processes and returns at once.
+
+    The same as ``run_processes`` without the waiting, for tests that must act on the
+    processes while they run (send one of them a signal, kill them all).
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError(
+            f"num_processes and devices_per_process must be >= 1, got {num_processes} "
+            f"and {devices_per_process}."
+        )
+    logs = Path(log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    if callable(target):
+        payload = logs / "target.pkl"
+        payload.write_bytes(pickle.dumps((_target_of(target), args)))
+        command = ["-m", "meshkit.testing._worker", str(payload)]
+    else:
+        command = list(target)
+    address = f"127.0.0.1:{free_port()}"
+    pythonpath = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+    processes = []
+    for process_id in range(num_processes):
+        child_env = {
+            **os.environ,
+            **(env or {}),
+            ENV_COORDINATOR: address,
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+            "JAX_PLATFORMS": "cpu",
+            "MESHKIT_RESULT": str(logs / f"result_{process_id}.pkl"),
+            "PYTHONPATH": pythonpath,
+        }
+        with (logs / f"process_{process_id}.log").open("wb") as out:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, *command],
+                    env=child_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return ProcessGroup(processes, logs)
 
 
 def run_processes(
@@ -75,7 +188,7 @@ def run_processes(
     num_processes: int = 2,
     devices_per_process: int = 4,
     timeout: float = 120.0,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """Runs ``target`` in ``num_processes`` local processes joined by ``jax.distributed``.
@@ -110,100 +223,16 @@ def run_processes(
         >>> run_processes(["-c", code])  # doctest: +SKIP
         [None, None]
     """
-    if num_processes < 1 or devices_per_process < 1:
-        raise ValueError(
-            f"num_processes and devices_per_process must be >= 1, got {num_processes} "
-            f"and {devices_per_process}."
-        )
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="meshkit-"))
-        logs = Path(log_dir)
-        logs.mkdir(parents=True, exist_ok=True)
-        if callable(target):
-            payload = logs / "target.pkl"
-            payload.write_bytes(pickle.dumps((_target_of(target), args)))
-            command = ["-m", "meshkit.testing._worker", str(payload)]
-        else:
-            command = list(target)
-        return _run(
-            command,
-            logs,
+        group = start_processes(
+            target,
+            *args,
             num_processes=num_processes,
             devices_per_process=devices_per_process,
-            timeout=timeout,
-            extra_env=env or {},
+            env=env,
+            log_dir=log_dir,
         )
-
-
-def _run(
-    command: list[str],
-    logs: Path,
-    *,
-    num_processes: int,
-    devices_per_process: int,
-    timeout: float,
-    extra_env: dict[str, str],
-) -> list[Any]:
-    address = f"127.0.0.1:{free_port()}"
-    children: list[tuple[subprocess.Popen[bytes], Path]] = []
-    try:
-        for process_id in range(num_processes):
-            env = {
-                **os.environ,
-                **extra_env,
-                ENV_COORDINATOR: address,
-                ENV_NUM_PROCESSES: str(num_processes),
-                ENV_PROCESS_ID: str(process_id),
-                "JAX_NUM_CPU_DEVICES": str(devices_per_process),
-                "JAX_PLATFORMS": "cpu",
-                "MESHKIT_RESULT": str(logs / f"result_{process_id}.pkl"),
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])
-                ),
-            }
-            log = logs / f"process_{process_id}.log"
-            with log.open("wb") as out:
-                child = subprocess.Popen(
-                    [sys.executable, *command],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            children.append((child, log))
-        _wait(children, timeout)
-    finally:
-        for child, _ in children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-    results = []
-    for process_id in range(num_processes):
-        result = logs / f"result_{process_id}.pkl"
-        results.append(pickle.loads(result.read_bytes()) if result.exists() else None)
-    return results
-
-
-def _wait(children: list[tuple[subprocess.Popen[bytes], Path]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [child.poll() for child, _ in children]
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            # Give the others a moment to report their own errors, then show the first failure.
-            time.sleep(0.5)
-            i = failed[0]
-            raise ProcessFailedError(
-                f"Process {i} of {len(children)} exited with code {codes[i]}; its log "
-                f"({children[i][1]}):\n{_tail(children[i][1])}"
-            )
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline:
-            running = [i for i, code in enumerate(codes) if code is None]
-            raise ProcessFailedError(
-                f"Processes {running} were still running after {timeout:.0f} s and were killed. "
-                f"Log of process {running[0]}:\n{_tail(children[running[0]][1])}"
-            )
-        time.sleep(0.05)
+        group.wait(timeout)
+        return group.results()

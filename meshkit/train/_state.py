@@ -1,0 +1,205 @@
+"""The train state, and building it sharded without materialising it on one device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from meshkit._rules import PartitionRules, infer_shardings
+
+Variables = dict[str, Any]
+"""Model variables by collection: ``{"params": ..., "batch_stats": ...}``."""
+
+InitFn = Callable[[jax.Array], Variables]
+ApplyFn = Callable[..., Any]
+"""``apply(variables, inputs, *, train, rngs, mutable)`` in Flax linen's convention."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model as two pure functions, whatever library defined it.
+
+    Attributes:
+      init: ``init(rng) -> variables`` (``{"params": ..., other collections...}``).
+      apply: ``apply(variables, inputs, *, train, rngs, mutable)``; with a non-empty
+        ``mutable`` list it returns ``(outputs, updated_collections)``, like linen.
+    """
+
+    init: InitFn
+    apply: ApplyFn
+
+
+def linen_model(module: nn.Module, sample_input: Any) -> Model:
+    """Adapts a Flax linen module; ``sample_input`` only fixes shapes for ``init``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from meshkit.models import CifarNet
+        >>> model = linen_model(CifarNet(), jnp.zeros((1, 32, 32, 3)))
+        >>> sorted(model.init(jax.random.key(0)))
+        ['params']
+    """
+
+    def init(rng: jax.Array) -> Variables:
+        variables = module.init({"params": rng, "dropout": rng}, sample_input, train=False)
+        return dict(variables)
+
+    return Model(init=init, apply=module.apply)
+
+
+def nnx_model(factory: Callable[[Any], Any]) -> Model:
+    """Adapts a Flax NNX model: ``factory(rngs)`` builds it (``rngs`` is an ``nnx.Rngs``).
+
+    The NNX state is split into ``params`` (``nnx.Param``) and ``state`` (everything
+    else, e.g. batch-norm statistics); ``apply`` merges them back for each call.
+
+    Example:
+        >>> from flax import nnx
+        >>> model = nnx_model(lambda rngs: nnx.Linear(3, 2, rngs=rngs))
+        >>> sorted(model.init(jax.random.key(0)))
+        ['params', 'state']
+    """
+    from flax import nnx
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
+
+    def init(rng: jax.Array) -> Variables:
+        _, params, rest = nnx.split(factory(nnx.Rngs(rng)), nnx.Param, ...)
+        return {"params": params, "state": rest}
+
+    def apply(
+        variables: Variables,
+        inputs: Any,
+        *,
+        train: bool = False,
+        rngs: Mapping[str, jax.Array] | None = None,
+        mutable: Any = False,
+    ) -> Any:
+        module = nnx.merge(graphdef, variables["params"], variables.get("state", nnx.State({})))
+        module.train() if train else module.eval()
+        if rngs and hasattr(module, "rngs"):
+            module.rngs = nnx.Rngs(**rngs)
+        outputs = module(inputs)
+        if not mutable:
+            return outputs
+        _, _, rest = nnx.split(module, nnx.Param, ...)
+        return outputs, {"state": rest}
+
+    return Model(init=init, apply=apply)
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a training step reads and writes.
+
+    Attributes:
+      step: number of steps taken (a scalar array).
+      params: trainable parameters.
+      opt_state: the optimizer's state.
+      collections: mutable model variables other than params (``batch_stats``...).
+      rng: the base key; step ``s`` uses ``fold_in(rng, s)`` for dropout, so a resumed
+        run draws the same randomness.
+      apply_fn: the model's apply function (static).
+      tx: the optax optimizer (static).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    collections: dict[str, Any]
+    rng: jax.Array
+    apply_fn: ApplyFn = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    def variables(self, params: Any | None = None) -> Variables:
+        """The variables ``apply_fn`` takes: params (these, or the state's) and collections."""
+        return {"params": self.params if params is None else params, **self.collections}
+
+    def apply_gradients(
+        self, grads: Any, collections: Mapping[str, Any] | None = None
+    ) -> TrainState:
+        """One optimizer update; ``collections`` replaces the mutable collections."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            collections=dict(self.collections if collections is None else collections),
+        )
+
+
+def _init_state(model: Model, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    init_rng, train_rng = jax.random.split(jax.random.key(seed))
+    variables = dict(model.init(init_rng))
+    params = variables.pop("params")
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        collections=variables,
+        rng=jax.random.key_data(train_rng),
+        apply_fn=model.apply,
+        tx=tx,
+    )
+
+
+def abstract_train_state(
+    model: Model, tx: optax.GradientTransformation, seed: int = 0
+) -> TrainState:
+    """The train state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), without any FLOPs."""
+    return jax.eval_shape(lambda: _init_state(model, tx, seed))
+
+
+def train_state_shardings(
+    abstract: TrainState, mesh: Mesh, rules: PartitionRules | None = None
+) -> TrainState:
+    """Shardings for every leaf of the train state: replicated, or by ``rules``.
+
+    Rules match paths such as ``params/Dense_0/kernel`` and
+    ``opt_state/0/mu/Dense_0/kernel``, so one FSDP rule shards the parameters and
+    their optimizer moments alike.
+    """
+    return infer_shardings(abstract, mesh, rules)
+
+
+def create_train_state(
+    model: Model,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    rules: PartitionRules | None = None,
+    seed: int = 0,
+) -> TrainState:
+    """Builds the train state directly in its shardings.
+
+    The shapes come from ``jax.eval_shape``, the shardings from ``rules`` (replicated
+    when ``None``; ``PartitionRules.fsdp()`` for FSDP), and the state is created by a
+    jit with those ``out_shardings``: it never exists in full on one device.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, meshkit
+        >>> from meshkit.models import CifarNet
+        >>> from meshkit.train import create_train_state, linen_model
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> model = linen_model(CifarNet(), jnp.zeros((1, 32, 32, 3)))
+        >>> state = create_train_state(model, optax.sgd(0.1), mesh)
+        >>> int(state.step), state.params["Dense_0"]["kernel"].shape
+        (0, (14400, 120))
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
+    abstract = abstract_train_state(model, tx, seed)
+    shardings = train_state_shardings(abstract, mesh, rules)
+    return jax.jit(lambda: _init_state(model, tx, seed), out_shardings=shardings)()
+
+
+def state_shardings_of(state: TrainState) -> TrainState:
+    """The sharding of every leaf of a placed train state."""
+    return jax.tree.map(lambda leaf: leaf.sharding, state)

@@ -1,0 +1,169 @@
+"""Data-parallel training as sharded jit: seed 001's program (and seed 000's MNIST CNN), resumable.
+
+Command (no arguments: seed 000's MNIST CNN on the embedded digits, resized to 28×28, on
+8 fake CPU devices, mesh ``data=-1``)::
+
+    python -m recipes.data_parallel
+
+Expected result, in well under 2 minutes on a 2-core machine: a progress bar, then a
+JSON summary (also written to ``<workdir>/summary.json``) with a test accuracy above
+0.95 over all 360 test digits, e.g.::
+
+    {"model": "mnist_cnn", "dataset": "digits", "steps": 200, "test_accuracy": 0.98..., ...}
+
+Other runs::
+
+    python -m recipes.data_parallel --model cifar_net            # seed 001's net, 32×32×3 digits
+    python -m recipes.data_parallel --dataset cifar10 --model cifar_net --data-dir ~/cifar
+    python -m recipes.data_parallel --dataset mnist --data-dir ~/mnist --steps 2000
+    python -m recipes.data_parallel --mesh data=4,model=2 --rules fsdp
+
+Rerunning with the same ``--workdir`` resumes from its last checkpoint. A SIGTERM saves
+and exits with code 75. On several processes the script is unchanged:
+``meshkit.distributed.initialize()`` detects SLURM (``srun python -m
+recipes.data_parallel ...``), TPU pods (``gcloud compute tpus tpu-vm ssh ... --worker=all
+--command "python -m recipes.data_parallel ..."``) and explicit coordinator settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import meshkit
+
+DATASETS = {"digits", "mnist", "fashion_mnist", "cifar10"}
+IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": (8, 8, 1)}
+"""The digits are resized to the input each model was built for."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default="mnist_cnn", help="mnist_cnn | cifar_net | norm_cnn")
+    parser.add_argument("--dataset", default="digits", choices=sorted(DATASETS))
+    parser.add_argument("--data-dir", type=Path, help="folder with MNIST IDX or CIFAR-10 files")
+    parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
+    parser.add_argument("--rules", choices=["replicated", "fsdp"], default="replicated")
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--workdir", type=Path, default=Path("workdir/data_parallel"))
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
+        help="fake CPU devices per process (only used on the CPU backend)",
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def load_data(args: argparse.Namespace, image_shape: tuple[int, int, int] | None):
+    from meshkit import data
+
+    if image_shape is not None:
+        size, _, channels = image_shape
+        return tuple(
+            data.digits(split, image_size=size, channels=channels)  # type: ignore[arg-type]
+            for split in ("train", "test")
+        )
+    if args.data_dir is None:
+        raise SystemExit(f"--dataset {args.dataset} reads files you have: pass --data-dir.")
+    reader = {"mnist": data.mnist, "fashion_mnist": data.fashion_mnist, "cifar10": data.cifar10}[
+        args.dataset
+    ]
+    return tuple(reader(args.data_dir, split) for split in ("train", "test"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from meshkit import data, train
+    from meshkit.models import MODELS
+
+    if args.model not in MODELS:
+        raise SystemExit(f"Unknown --model {args.model!r}; choose one of {sorted(MODELS)}.")
+    image_shape = IMAGE_SHAPES[args.model] if args.dataset == "digits" else None
+    train_source, test_source = load_data(args, image_shape)
+
+    mesh = meshkit.make_mesh(args.mesh)
+    batch_sharding = meshkit.batch_sharding(mesh)
+    rules = meshkit.PartitionRules.fsdp("data") if args.rules == "fsdp" else None
+
+    def to_float(record: data.Record) -> data.Record:
+        image = record["image"]
+        if image.dtype == np.uint8:
+            image = image.astype(np.float32) / 255.0
+        return {"image": image, "label": record["label"]}
+
+    pipeline = data.TrainPipeline(
+        train_source,
+        global_batch_size=args.batch_size,
+        sharding=batch_sharding,
+        seed=args.seed,
+        transform=None
+        if train_source[0]["image"].dtype != np.uint8
+        else (lambda r, rng: to_float(r)),
+    )
+    eval_pipeline = data.EvalPipeline(
+        test_source,
+        global_batch_size=args.batch_size,
+        sharding=batch_sharding,
+        transform=None if test_source[0]["image"].dtype != np.uint8 else to_float,
+    )
+    model = train.linen_model(MODELS[args.model](), jnp.zeros((1, *train_source[0]["image"].shape)))
+    tx = optax.sgd(args.learning_rate, momentum=args.momentum)
+    state = train.create_train_state(model, tx, mesh, rules=rules, seed=args.seed)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), batch_sharding
+    )
+    if jax.process_index() == 0:
+        print(meshkit.describe(state.params), flush=True)
+
+    result = train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=args.steps,
+        workdir=args.workdir,
+        eval_pipeline=eval_pipeline,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress,
+    )
+    summary = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
+        "steps": result.step,
+        "resumed_from": result.resumed_from,
+        "preempted": result.preempted,
+        "final_train_loss": result.train_metrics.get("loss"),
+        "test_accuracy": result.eval_metrics.get("accuracy"),
+        "test_loss": result.eval_metrics.get("loss"),
+        "test_examples": result.eval_metrics.get("count"),
+        "steps_per_second": result.steps_per_second,
+        "train_step_compiles": result.train_step_compiles,
+    }
+    if jax.process_index() == 0:
+        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps(summary))
+    return train.PREEMPTED_EXIT_CODE if result.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""meshkit.train in one process: state, step, fit, checkpoints, FSDP, NNX, NaN handling."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import data, train
+from meshkit.models import NormCNN
+
+BATCH = 64
+
+
+def setup(mesh, *, rules=None, model=None, seed=0):
+    """NormCNN (batch norm + dropout) on the 8×8 digits: the train state of seed 003."""
+    sharding = meshkit.batch_sharding(mesh)
+    pipeline = data.TrainPipeline(
+        data.digits("train"), global_batch_size=BATCH, sharding=sharding, seed=seed
+    )
+    model = model or train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(
+        model, optax.sgd(0.05, momentum=0.9), mesh, rules=rules, seed=seed
+    )
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    return state, step, pipeline
+
+
+def run_steps(mesh, steps, **kwargs):
+    state, step, pipeline = setup(mesh, **kwargs)
+    losses = []
+    with data.GlobalBatchIterator(pipeline) as batches:
+        for _ in range(steps):
+            state, metrics = step(state, next(batches))
+            losses.append(float(metrics["loss"]))  # one step at a time: no queue of collectives
+    return state, losses
+
+
+def test_loss_decreases_and_batch_stats_update():
+    mesh = meshkit.make_mesh("data=-1")
+    initial, _, _ = setup(mesh)
+    initial_stats = meshkit.to_host(initial.collections["batch_stats"])
+    state, losses = run_steps(mesh, 40)
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    stats = meshkit.to_host(state.collections["batch_stats"])
+    assert not np.allclose(stats["BatchNorm_0"]["mean"], initial_stats["BatchNorm_0"]["mean"])
+    assert int(state.step) == 40
+
+
+@pytest.mark.devices(8)
+def test_one_device_and_eight_devices_reach_the_same_params():
+    one, losses_one = run_steps(meshkit.make_mesh("data=1", devices=jax.devices()[:1]), 10)
+    eight, losses_eight = run_steps(meshkit.make_mesh("data=-1"), 10)
+    np.testing.assert_allclose(losses_one, losses_eight, rtol=2e-5)
+    for a, b in zip(
+        jax.tree.leaves(meshkit.to_host(one.params)),
+        jax.tree.leaves(meshkit.to_host(eight.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.devices(8)
+def test_fsdp_shards_params_and_trains_like_replicated():
+    mesh = meshkit.make_mesh("data=-1")
+    rules = meshkit.PartitionRules.fsdp("data", min_size=1024)
+    fsdp, losses_fsdp = run_steps(mesh, 10, rules=rules)
+    report = meshkit.describe(fsdp.params)
+    kernel_line = next(line for line in report.splitlines() if line.startswith("Dense_0/kernel"))
+    assert "P('data')" in kernel_line  # (256, 64): 256 rows split over 8 devices
+    assert fsdp.params["Dense_0"]["kernel"].addressable_shards[0].data.shape == (32, 64)
+    momentum = fsdp.opt_state[0].trace["Dense_0"]["kernel"]
+    assert momentum.sharding.spec == fsdp.params["Dense_0"]["kernel"].sharding.spec
+    _, losses_replicated = run_steps(mesh, 10)
+    np.testing.assert_allclose(losses_fsdp, losses_replicated, rtol=2e-5)
+
+
+def test_nnx_model_trains_through_the_same_api():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.hidden = nnx.Linear(64, 32, rngs=rngs)
+            self.out = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
+
+    mesh = meshkit.make_mesh("data=-1")
+    state, losses = run_steps(mesh, 30, model=train.nnx_model(MLP))
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    assert state.params["hidden"]["kernel"].get_value().shape == (64, 32)
+
+
+def fit(mesh, workdir, num_steps, **kwargs):
+    state, step, pipeline = setup(mesh)
+    evaluation = data.EvalPipeline(
+        data.digits("test"), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
+    )
+    return train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=num_steps,
+        workdir=workdir,
+        eval_pipeline=evaluation,
+        checkpoint_every=10,
+        keep_checkpoints=2,
+        log_every=5,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
+    result = fit(meshkit.make_mesh("data=-1"), tmp_path, 25, eval_every=20)
+    assert result.step == 25 and not result.preempted and result.resumed_from is None
+    assert result.train_step_compiles == 1
+    assert result.eval_metrics["count"] == 360 and result.eval_metrics["accuracy"] > 0.5
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [5, 10, 15, 20, 25]
+    assert [line["step"] for line in lines if "eval/accuracy" in line] == [20, 25]
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 25]
+
+
+@pytest.mark.devices(8)
+def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
+    straight = fit(meshkit.make_mesh("data=-1"), tmp_path / "straight", 30)
+    fit(meshkit.make_mesh("data=-1"), tmp_path / "split", 20)
+    resumed = fit(meshkit.make_mesh("data=4,model=2"), tmp_path / "split", 30)
+    assert resumed.resumed_from == 20 and resumed.step == 30
+    for a, b in zip(
+        jax.tree.leaves(meshkit.to_host(straight.state.params)),
+        jax.tree.leaves(meshkit.to_host(resumed.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    def poisoned(params, state, batch, rng):
+        loss, out = train.classification_loss(params, state, batch, rng)
+        return jnp.where(state.step >= 14, jnp.nan, loss), out
+
+    mesh = meshkit.make_mesh("data=-1")
+    state, _, pipeline = setup(mesh)
+    step = train.make_train_step(
+        poisoned, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
+    )
+    with pytest.raises(train.NonFiniteLossError) as info:
+        train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=40,
+            workdir=tmp_path,
+            checkpoint_every=10,
+            progress=False,
+        )
+    message = str(info.value)
+    assert "step 15" in message and "'loss': nan" in message and "step 10 in" in message
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10]
