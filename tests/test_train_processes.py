@@ -1,0 +1,171 @@
+"""Training across processes and process deaths: 1×8 vs 2×4, SIGKILL resume, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import data, train
+from meshkit.models import NormCNN
+from meshkit.testing import run_processes, start_processes
+
+pytestmark = pytest.mark.multiprocess
+
+RECIPE = ["-m", "recipes.data_parallel", "--model", "norm_cnn", "--no-progress"]
+
+
+def train_ten_steps() -> dict:
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    pipeline = data.TrainPipeline(data.digits("train"), global_batch_size=64, sharding=sharding)
+    model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    losses = []
+    with data.GlobalBatchIterator(pipeline) as batches:
+        for _ in range(10):
+            state, metrics = step(state, next(batches))
+            losses.append(float(metrics["loss"]))
+    return {"params": meshkit.to_host(state.params), "losses": losses}
+
+
+@pytest.mark.devices(8)
+def test_two_processes_train_like_one():
+    reference = train_ten_steps()
+    for result in run_processes(train_ten_steps):
+        np.testing.assert_allclose(result["losses"], reference["losses"], rtol=2e-5)
+        for a, b in zip(
+            jax.tree.leaves(result["params"]), jax.tree.leaves(reference["params"]), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def final_params(workdir: Path) -> list[np.ndarray]:
+    mesh = meshkit.make_mesh("data=-1")
+    model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    target = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh)
+    checkpointer = train.Checkpointer(workdir / "checkpoints", save_every=1)
+    state, _ = checkpointer.restore(train.abstract_like(target))
+    checkpointer.close()
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(meshkit.to_host(state))]
+
+
+def wait_for_checkpoint(workdir: Path, step: int, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + 120
+    while not (workdir / "checkpoints" / str(step)).is_dir():
+        assert process is None or process.poll() is None, "the run ended before its checkpoint"
+        assert time.monotonic() < deadline, f"no checkpoint {step} in {workdir}"
+        time.sleep(0.02)
+
+
+def recipe(workdir: Path, steps: int = 400) -> list[str]:
+    return [
+        sys.executable,
+        *RECIPE,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "20",
+        "--eval-every",
+        "100000",
+        "--workdir",
+        str(workdir),
+    ]
+
+
+def train_losses(workdir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+def test_sigkill_and_restart_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    subprocess.run(recipe(tmp_path / "straight"), check=True, capture_output=True, timeout=300)
+    killed = subprocess.Popen(
+        recipe(tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for_checkpoint(tmp_path / "killed", 20, killed)
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    restarted = subprocess.run(
+        recipe(tmp_path / "killed"), capture_output=True, text=True, timeout=300
+    )
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["resumed_from"] is not None and summary["resumed_from"] < 400
+    for a, b in zip(
+        final_params(tmp_path / "straight"), final_params(tmp_path / "killed"), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    straight, resumed = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
+    assert all(resumed[step] == straight[step] for step in resumed)  # the same batches
+
+
+def test_sigterm_saves_and_exits_with_the_preemption_code(tmp_path):
+    run = subprocess.Popen(recipe(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_checkpoint(tmp_path, 20, run)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == train.PREEMPTED_EXIT_CODE
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["preempted"] and 20 < summary["steps"] < 400
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+    assert saved[-1] == summary["steps"]  # saved at the step boundary after the signal
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
+    group = start_processes(
+        [
+            *RECIPE,
+            "--steps",
+            "400",
+            "--checkpoint-every",
+            "20",
+            "--eval-every",
+            "100000",
+            "--workdir",
+            str(tmp_path),
+        ],
+        log_dir=tmp_path / "logs",
+    )
+    try:
+        wait_for_checkpoint(tmp_path, 20, group.processes[0])
+        group.processes[1].send_signal(signal.SIGTERM)
+        codes = group.wait(timeout=120, check=False)
+    finally:
+        group.kill()
+    assert codes == [train.PREEMPTED_EXIT_CODE] * 2, group.log(0)[-2000:] + group.log(1)[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["preempted"] and summary["processes"] == 2 and summary["steps"] < 400
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())[-1] == summary["steps"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-size", "12"], "Global batch size 12 must be a positive multiple of the 8"),
+        (["--model", "resnet"], "Unknown --model 'resnet'"),
+        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "Looked for:"),
+        (["--dataset", "mnist"], "pass --data-dir"),
+    ],
+)
+def test_recipe_bad_input_is_explained(args, message, tmp_path):
+    out = subprocess.run(
+        [sys.executable, *RECIPE, *args, "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-1500:]
