@@ -100,7 +100,7 @@ def test_sigkill_and_restart_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     killed.send_signal(signal.SIGKILL)
     assert killed.wait() == -signal.SIGKILL
     restarted = subprocess.run(
-        recipe(tmp_path / "killed"), capture_output=True, text=True, timeout=300
+        recipe(tmp_path / "killed"), capture_output=True, text=True, timeout=300, check=False
     )
     assert restarted.returncode == 0, restarted.stderr[-2000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
@@ -166,6 +166,7 @@ def test_recipe_bad_input_is_explained(args, message, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,
     )
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-1500:]
