@@ -40,13 +40,20 @@ def interleave(
 ) -> dict[str, Timing]:
     """Calls each candidate once per round, in turn (A B A B ...), after ``warmup`` rounds.
 
+    The order rotates from round to round, so position effects average out.
+
     Each candidate must block until its work is done (``jax.block_until_ready``).
     ``Timing.compiles`` counts every XLA compilation a candidate triggered, warm-up
     included (the first call's compile is expected; more mean recompiles).
     """
     timings = {name: Timing(name, []) for name in candidates}
+    names = list(candidates)
     for round_index in range(warmup + rounds):
-        for name, run in candidates.items():
+        # Rotate the order each round (A B C, B C A, C A B) so no candidate always
+        # follows the same one.
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = candidates[name]
             with meshkit.count_compiles() as log:
                 start = time.perf_counter()
                 run()

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "test_loss": result.eval_metrics.get("loss"),
         "test_examples": result.eval_metrics.get("count"),
         "steps_per_second": result.steps_per_second,
+        "input_wait_fraction": result.input_wait_fraction,
         "train_step_compiles": result.train_step_compiles,
     }
     if jax.process_index() == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -51,6 +52,8 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
             raise ValueError(f"prefetch must be >= 1 batch, got {prefetch}.")
         self.pipeline = pipeline
         self._step = 0 if state is None else check_state(pipeline, state)
+        self.wait_seconds = 0.0
+        """Time ``next()`` spent waiting for a batch: input-bound time of the consumer."""
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="meshkit-batches", daemon=True)
@@ -80,6 +83,13 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         return False
 
     def __next__(self) -> dict[str, jax.Array]:
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def _next(self) -> dict[str, jax.Array]:
         while True:
             if self._stop.is_set():
                 raise RuntimeError("This GlobalBatchIterator was closed.")

@@ -38,6 +38,7 @@ class FitResult:
       train_metrics: the last step's metrics.
       eval_metrics: the last evaluation (``count`` plus metric means), or ``{}``.
       steps_per_second: training throughput after the first step of this run.
+      input_wait_fraction: the share of this run's time spent waiting for input batches.
       train_step_compiles: compilations of the train step during this run.
     """
 
@@ -48,6 +49,7 @@ class FitResult:
     train_metrics: dict[str, float]
     eval_metrics: dict[str, float]
     steps_per_second: float
+    input_wait_fraction: float
     train_step_compiles: int
 
 
@@ -155,6 +157,7 @@ def fit(
     loop = _Loop(state, train_step, _Log(workdir, bar, checkpointer, log_every), evaluator)
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
+    began = time.perf_counter()
     try:
         with count_compiles() as compiles:
             step = loop.run(batches, watcher, checkpointer, start, num_steps)
@@ -174,6 +177,9 @@ def fit(
         eval_metrics=loop.eval_metrics,
         steps_per_second=timed_steps / loop.elapsed
         if loop.elapsed > 0 and timed_steps > 0
+        else 0.0,
+        input_wait_fraction=batches.wait_seconds / wall
+        if (wall := time.perf_counter() - began) > 0
         else 0.0,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,9 @@ class Model:
 def linen_model(module: nn.Module, sample_input: Any) -> Model:
     """Adapts a Flax linen module; ``sample_input`` only fixes shapes for ``init``.
 
+    Modules whose ``__call__`` takes ``train`` get it (dropout and batch norm switch
+    on in training); modules without it, like most of the seeds' nets, run unchanged.
+
     Example:
         >>> import jax.numpy as jnp
         >>> from meshkit.models import CifarNet
@@ -48,11 +52,24 @@ def linen_model(module: nn.Module, sample_input: Any) -> Model:
         ['params']
     """
 
+    takes_train = "train" in inspect.signature(type(module).__call__).parameters
+    mode = (lambda train: {"train": train}) if takes_train else (lambda train: {})
+
     def init(rng: jax.Array) -> Variables:
-        variables = module.init({"params": rng, "dropout": rng}, sample_input, train=False)
+        variables = module.init({"params": rng, "dropout": rng}, sample_input, **mode(False))
         return dict(variables)
 
-    return Model(init=init, apply=module.apply)
+    def apply(
+        variables: Variables,
+        inputs: Any,
+        *,
+        train: bool = False,
+        rngs: Mapping[str, jax.Array] | None = None,
+        mutable: Any = False,
+    ) -> Any:
+        return module.apply(variables, inputs, rngs=rngs, mutable=mutable, **mode(train))
+
+    return Model(init=init, apply=apply)
 
 
 def nnx_model(factory: Callable[[Any], Any]) -> Model:
