@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -33,3 +34,12 @@ def test_sharding_demo_on_two_processes(tmp_path):
     assert "8 cpu devices in 2 processes" in log
     assert re.search(r"loss on 8 devices: (\S+)  \(1 device: \1\)", log), log[-500:]
     assert "loss on" not in (tmp_path / "process_1.log").read_text()
+
+
+@pytest.mark.multiprocess  # runs once: it is the README's main command
+def test_data_parallel_default_run_reaches_95_percent(tmp_path):
+    stdout = run_recipe("recipes.data_parallel", "--no-progress", "--workdir", str(tmp_path))
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] >= 0.95 and summary["test_examples"] == 360
+    assert summary["train_step_compiles"] == 1 and summary["steps"] == 200
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
