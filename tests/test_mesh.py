@@ -183,5 +183,8 @@ def test_jaxopt_runs_on_both_axis_types(axis_type):
     w0 = jnp.zeros((5, 3))
     with jax.set_mesh(mesh):
         w = jax.jit(lambda w, x, y: solver.run(w, x, y).params)(w0, x, y)
-    reference = solver.run(w0, jnp.asarray(x_np), jnp.asarray(y_np)).params
+    one_device = jax.devices()[0]
+    reference = jax.jit(lambda w, x, y: solver.run(w, x, y).params)(
+        w0, jax.device_put(x_np, one_device), jax.device_put(y_np, one_device)
+    )
     np.testing.assert_allclose(w, reference, rtol=1e-4, atol=1e-5)

@@ -92,19 +92,25 @@ def train_losses(workdir: Path) -> dict[int, float]:
 
 
 def test_sigkill_and_restart_is_bit_identical_to_an_uninterrupted_run(tmp_path):
-    subprocess.run(recipe(tmp_path / "straight"), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        recipe(tmp_path / "straight", steps=200), check=True, capture_output=True, timeout=300
+    )
     killed = subprocess.Popen(
-        recipe(tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        recipe(tmp_path / "killed", steps=200), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     wait_for_checkpoint(tmp_path / "killed", 20, killed)
     killed.send_signal(signal.SIGKILL)
     assert killed.wait() == -signal.SIGKILL
     restarted = subprocess.run(
-        recipe(tmp_path / "killed"), capture_output=True, text=True, timeout=300, check=False
+        recipe(tmp_path / "killed", steps=200),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert restarted.returncode == 0, restarted.stderr[-2000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
-    assert summary["resumed_from"] is not None and summary["resumed_from"] < 400
+    assert summary["resumed_from"] is not None and summary["resumed_from"] < 200
     for a, b in zip(
         final_params(tmp_path / "straight"), final_params(tmp_path / "killed"), strict=True
     ):
