@@ -67,7 +67,8 @@ def linen_model(module: nn.Module, sample_input: Any) -> Model:
         rngs: Mapping[str, jax.Array] | None = None,
         mutable: Any = False,
     ) -> Any:
-        return module.apply(variables, inputs, rngs=rngs, mutable=mutable, **mode(train))
+        rng_dict = dict(rngs) if rngs is not None else None
+        return module.apply(variables, inputs, rngs=rng_dict, mutable=mutable, **mode(train))
 
     return Model(init=init, apply=apply)
 
