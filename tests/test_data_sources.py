@@ -30,67 +30,13 @@ from meshkit.data._digits import (
 )
 from meshkit.data._source import ArraySource, Source
 from meshkit.data.convert import convert
+from meshkit.testing import write_cifar10, write_cifar100, write_idx, write_mnist, write_pickle
+from meshkit.testing._files import cifar_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def write_idx(path: Path, array: np.ndarray, magic: int | None = None) -> Path:
-    """Writes ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in ``.gz``."""
-    magic = (2051 if array.ndim == 3 else 2049) if magic is None else magic
-    header = struct.pack(">i", magic) + struct.pack(f">{array.ndim}I", *array.shape)
-    data = header + np.ascontiguousarray(array, np.uint8).tobytes()
-    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
-    return path
-
-
-def write_mnist(folder: Path, num_train=5, num_test=3, *, suffix="", dotted=False, seed=0):
-    """The four MNIST files with random content; returns {split: (images, labels)}."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    arrays = {}
-    for split, prefix, n in (("train", "train", num_train), ("test", "t10k", num_test)):
-        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        labels = rng.integers(0, 10, n, dtype=np.uint8)
-        sep = "." if dotted else "-"
-        write_idx(folder / f"{prefix}-images{sep}idx3-ubyte{suffix}", images)
-        write_idx(folder / f"{prefix}-labels{sep}idx1-ubyte{suffix}", labels)
-        arrays[split] = (images, labels)
-    return arrays
-
-
-def write_pickle(path: Path, batch: object) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(pickle.dumps(batch, protocol=2))
-    return path
-
-
-def cifar_batch(n: int, rng: np.random.Generator, **labels: list[int]) -> dict[bytes, object]:
-    data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-    return {b"data": data, **{key.encode(): value for key, value in labels.items()}}
-
-
-def write_cifar10(folder: Path, per_batch=2, seed=0) -> dict[str, list[dict[bytes, object]]]:
-    rng = np.random.default_rng(seed)
-    batches: dict[str, list[dict[bytes, object]]] = {"train": [], "test": []}
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        labels = rng.integers(0, 10, per_batch).tolist()
-        batch = cifar_batch(per_batch, rng, labels=labels, batch_label=[0])
-        write_pickle(folder / name, batch)
-        batches["test" if name == "test_batch" else "train"].append(batch)
-    return batches
-
-
-def write_cifar100(folder: Path, n=3, seed=0) -> dict[str, dict[bytes, object]]:
-    rng = np.random.default_rng(seed)
-    batches = {}
-    for split in ("train", "test"):
-        fine, coarse = rng.integers(0, 100, n).tolist(), rng.integers(0, 20, n).tolist()
-        batches[split] = cifar_batch(n, rng, fine_labels=fine, coarse_labels=coarse)
-        write_pickle(folder / split, batches[split])
-    return batches
 
 
 def all_records(source: Source) -> dict[str, np.ndarray]:

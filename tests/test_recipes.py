@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshkit.testing import run_processes
+from meshkit.testing import run_processes, write_cifar10, write_mnist
 
 
 def run_recipe(*args: str) -> str:
@@ -43,3 +43,34 @@ def test_data_parallel_default_run_reaches_95_percent(tmp_path):
     assert summary["test_accuracy"] >= 0.95 and summary["test_examples"] == 360
     assert summary["train_step_compiles"] == 1 and summary["steps"] == 200
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+@pytest.mark.multiprocess  # runs once
+@pytest.mark.parametrize(
+    ("dataset", "model", "write"),
+    [
+        ("mnist", "mnist_cnn", lambda d: write_mnist(d, num_train=256, num_test=40)),
+        ("cifar10", "cifar_net", lambda d: write_cifar10(d, per_batch=48)),
+    ],
+)
+def test_data_parallel_reads_real_file_formats(dataset, model, write, tmp_path):
+    write(tmp_path / "data")
+    stdout = run_recipe(
+        "recipes.data_parallel",
+        "--dataset",
+        dataset,
+        "--model",
+        model,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "64",
+        "--no-progress",
+        "--workdir",
+        str(tmp_path / "run"),
+    )
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    test_examples = 40 if dataset == "mnist" else 48
+    assert summary["steps"] == 3 and summary["test_examples"] == test_examples

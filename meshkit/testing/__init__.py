@@ -4,6 +4,11 @@ Example:
     >>> from meshkit.testing import run_processes, set_cpu_devices
 """
 
+from meshkit.testing._files import write_cifar10 as write_cifar10
+from meshkit.testing._files import write_cifar100 as write_cifar100
+from meshkit.testing._files import write_idx as write_idx
+from meshkit.testing._files import write_mnist as write_mnist
+from meshkit.testing._files import write_pickle as write_pickle
 from meshkit.testing._processes import ProcessFailedError as ProcessFailedError
 from meshkit.testing._processes import ProcessGroup as ProcessGroup
 from meshkit.testing._processes import free_port as free_port
