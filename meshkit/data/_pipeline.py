@@ -53,15 +53,53 @@ def _fetch(source: Source, indices: np.ndarray) -> Record:
     return stack_records([source[int(i)] for i in indices])
 
 
-class _Picklable:
-    """Pipelines travel to Grain worker processes without their sharding (devices don't
-    pickle, and workers only build host batches)."""
+class _Pipeline:
+    """What both pipelines share: the source, this process's rows, and Grain's read options."""
+
+    num_steps: int | None
+
+    def __init__(
+        self,
+        source: Source,
+        global_batch_size: int,
+        sharding: NamedSharding,
+        *,
+        num_threads: int,
+        prefetch: int,
+        worker_count: int,
+    ):
+        self.shard = _check_common(source, global_batch_size, sharding)
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.sharding = sharding
+        self.num_threads = num_threads
+        self.prefetch = prefetch
+        self.worker_count = worker_count
+        self.fingerprint = source_fingerprint(source)
+
+    def local_batch(self, step: int) -> Record:
+        raise NotImplementedError
+
+    def _batches(self, start_step: int, stop: int) -> grain.IterDataset:
+        """Batches ``start_step .. stop - 1``, built ahead by threads (or worker processes)."""
+        if not 0 <= start_step <= stop:
+            raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
+        batches = grain.MapDataset.range(start_step, stop).map(self.local_batch)
+        read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self.prefetch)
+        iterable = batches.to_iter_dataset(read)
+        if self.worker_count > 0:
+            _mark_absl_flags_parsed()
+            options = grain.MultiprocessingOptions(num_workers=self.worker_count)
+            iterable = iterable.mp_prefetch(options)
+        return iterable
 
     def __getstate__(self) -> dict[str, Any]:
+        # Pipelines travel to Grain worker processes without their sharding: devices
+        # don't pickle, and workers only build host batches.
         return {**self.__dict__, "sharding": None}
 
 
-class TrainPipeline(_Picklable):
+class TrainPipeline(_Pipeline):
     """An endless (or ``num_epochs``-long) stream of training batches, this process's rows.
 
     Every epoch visits the examples in a new order, drawn from ``(seed, epoch)`` so
@@ -110,7 +148,14 @@ class TrainPipeline(_Picklable):
         prefetch: int = 4,
         worker_count: int = 0,
     ):
-        self.shard = _check_common(source, global_batch_size, sharding)
+        super().__init__(
+            source,
+            global_batch_size,
+            sharding,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            worker_count=worker_count,
+        )
         if len(source) < global_batch_size:
             raise ValueError(
                 f"The source has {len(source)} examples, fewer than one global batch of "
@@ -121,18 +166,11 @@ class TrainPipeline(_Picklable):
             raise ValueError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}.")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
-        self.source = source
-        self.global_batch_size = global_batch_size
-        self.sharding = sharding
         self.seed = seed
         self.transform = transform
         self.shuffle = shuffle
-        self.num_threads = num_threads
-        self.prefetch = prefetch
-        self.worker_count = worker_count
         self.steps_per_epoch = len(source) // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
-        self.fingerprint = source_fingerprint(source)
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - the pipeline lives as long as its cache
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -171,10 +209,7 @@ class TrainPipeline(_Picklable):
         machines threads are usually faster.
         """
         stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
-        if not 0 <= start_step <= stop:
-            raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
-        steps = grain.MapDataset.range(start_step, stop)
-        return _to_iter(steps.map(self.local_batch), self)
+        return self._batches(start_step, stop)
 
     def state_fields(self) -> dict[str, Any]:
         """What a checkpoint must match to resume this pipeline."""
@@ -185,7 +220,7 @@ class TrainPipeline(_Picklable):
         }
 
 
-class EvalPipeline(_Picklable):
+class EvalPipeline(_Pipeline):
     """One pass over the source, padded to whole global batches with a mask.
 
     Every example appears exactly once globally. Global batch ``k`` holds examples
@@ -218,17 +253,17 @@ class EvalPipeline(_Picklable):
         prefetch: int = 4,
         worker_count: int = 0,
     ):
-        self.shard = _check_common(source, global_batch_size, sharding)
-        self.source = source
-        self.global_batch_size = global_batch_size
-        self.sharding = sharding
+        super().__init__(
+            source,
+            global_batch_size,
+            sharding,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            worker_count=worker_count,
+        )
         self.transform = transform
-        self.num_threads = num_threads
-        self.prefetch = prefetch
-        self.worker_count = worker_count
         self.num_examples = len(source)
         self.num_steps = math.ceil(self.num_examples / global_batch_size)
-        self.fingerprint = source_fingerprint(source)
 
     @functools.cached_property
     def _template(self) -> Record:
@@ -258,10 +293,8 @@ class EvalPipeline(_Picklable):
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's padded batches, ``num_steps`` of them."""
-        if not 0 <= start_step <= self.num_steps:
-            raise ValueError(f"start_step must be in [0, {self.num_steps}], got {start_step}.")
-        steps = grain.MapDataset.range(start_step, self.num_steps)
-        return _to_iter(steps.map(self.local_batch), self)
+        assert self.num_steps is not None
+        return self._batches(start_step, self.num_steps)
 
     def state_fields(self) -> dict[str, Any]:
         """What a checkpoint must match to resume this pipeline."""
@@ -277,17 +310,3 @@ def _mark_absl_flags_parsed() -> None:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-
-
-def _to_iter(
-    batches: grain.MapDataset, pipeline: TrainPipeline | EvalPipeline
-) -> grain.IterDataset:
-    read = grain.ReadOptions(
-        num_threads=pipeline.num_threads, prefetch_buffer_size=pipeline.prefetch
-    )
-    iterable = batches.to_iter_dataset(read)
-    if pipeline.worker_count > 0:
-        _mark_absl_flags_parsed()
-        options = grain.MultiprocessingOptions(num_workers=pipeline.worker_count)
-        iterable = iterable.mp_prefetch(options)
-    return iterable
