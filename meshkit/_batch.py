@@ -24,7 +24,7 @@ def batch_sharding(mesh: Mesh, data_axes: str | Sequence[str] = DEFAULT_DATA_AXI
     Every other dimension is replicated. Axes of the mesh that are not in
     ``data_axes`` hold replicas of the same rows.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> meshkit.batch_sharding(mesh).spec
@@ -92,7 +92,7 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
       sharding: the batch sharding, e.g. from ``batch_sharding``.
       global_batch_size: rows per global batch.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> shard = meshkit.data_shard(meshkit.batch_sharding(mesh), 64)
@@ -213,7 +213,7 @@ def shard_batch(
     Returns:
       The same pytree with global ``jax.Array`` leaves sharded by ``sharding``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> sharding = meshkit.batch_sharding(mesh)

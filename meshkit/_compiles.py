@@ -35,7 +35,7 @@ class CompileLog:
 def count_compiles() -> Iterator[CompileLog]:
     """Records every XLA backend compilation in the block (a cache hit is not one).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> def double(x):
         ...     return 2 * x

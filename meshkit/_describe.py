@@ -152,7 +152,7 @@ def describe(tree: Any, shardings: Any | None = None, *, show_mesh: bool = True)
     Returns:
       The report, as a string.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> tree = meshkit.replicate({"w": np.zeros((4, 4), np.float32)}, mesh)

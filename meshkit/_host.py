@@ -19,7 +19,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     communication, so every process must pass the same values. For large sharded
     state, prefer building it under ``jax.jit(..., out_shardings=...)``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> params = meshkit.replicate({"w": np.ones(3)}, mesh)
@@ -47,9 +47,10 @@ def to_host(tree: Any) -> Any:
     The replacement for ``flax.jax_utils.unreplicate``. Arrays that this process
     can read in full (single process, or fully replicated) are copied locally;
     arrays sharded across processes are all-gathered, so with several processes
-    every process must call ``to_host`` on the same tree (it is a collective).
+    every process must call ``to_host`` on the same tree (it is a collective). Typed
+    PRNG keys come back as their ``key_data``.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> batch = meshkit.shard_batch(np.arange(8), meshkit.batch_sharding(mesh))
@@ -60,6 +61,8 @@ def to_host(tree: Any) -> Any:
     def get(leaf: Any) -> Any:
         if not isinstance(leaf, jax.Array):
             return np.asarray(leaf)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
         if leaf.is_fully_addressable:
             return np.asarray(leaf)
         if leaf.is_fully_replicated:

@@ -37,7 +37,7 @@ def parse_axes(axes: AxesLike) -> dict[str, int]:
     the devices that are left". The order of the axes is kept: it is the order of the
     mesh's dimensions.
 
-    Example:
+    Examples:
         >>> parse_axes("data=-1,ensemble=2")
         {'data': -1, 'ensemble': 2}
         >>> parse_axes({"data": 4})
@@ -96,7 +96,7 @@ def parse_axes(axes: AxesLike) -> dict[str, int]:
 def resolve_axis_sizes(axes: AxesLike, num_devices: int) -> dict[str, int]:
     """Fills a ``-1`` axis from ``num_devices`` and checks that the product matches.
 
-    Example:
+    Examples:
         >>> resolve_axis_sizes("data=-1,model=2", 8)
         {'data': 4, 'model': 2}
     """
@@ -175,7 +175,7 @@ def device_grid(
     slice times ``k`` slices, so that only the axes named in ``dcn_axes`` cross the slower
     data-centre network.
 
-    Example:
+    Examples:
         >>> import jax
         >>> device_grid({"data": 1}, jax.devices()[:1]).shape
         (1,)
@@ -232,7 +232,7 @@ def make_mesh(
     Returns:
       A ``jax.sharding.Mesh``.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> mesh.axis_names

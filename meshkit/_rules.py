@@ -90,7 +90,7 @@ class PartitionRules:
     unless you say otherwise). Mesh axes that do not
     divide a dimension are dropped for that leaf and reported.
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> rules = PartitionRules([
         ...     (r"embedding", P("model", None)),
@@ -226,7 +226,7 @@ def infer_shardings(tree: Any, mesh: Mesh, rules: PartitionRules | None = None) 
     because they do not divide a dimension are logged once, as a warning on the
     ``meshkit`` logger.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, meshkit
         >>> mesh = meshkit.make_mesh("data=-1")
         >>> params = {"w": jax.ShapeDtypeStruct((1024, 64), jnp.float32)}

@@ -20,7 +20,7 @@ def entry_axis_names(entry: Any) -> tuple[str, ...]:
 def spec_axis_names(spec: Iterable[Any]) -> tuple[str, ...]:
     """All mesh axis names a ``PartitionSpec`` uses, in order.
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> spec_axis_names(P(("data", "model"), None, "ensemble"))
         ('data', 'model', 'ensemble')

@@ -81,7 +81,7 @@ def detect_launch(
 ) -> Launch:
     """Works out how this process was launched, without starting JAX.
 
-    Example:
+    Examples:
         >>> detect_launch(environ={})
         Launch(mode='single', coordinator_address=None, num_processes=None, process_id=None)
         >>> detect_launch(environ={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0",
@@ -164,7 +164,7 @@ def initialize(
     Returns:
       The detected ``Launch``.
 
-    Example:
+    Examples:
         >>> import meshkit
         >>> meshkit.distributed.initialize()  # doctest: +SKIP
         Launch(mode='single', coordinator_address=None, num_processes=None, process_id=None)

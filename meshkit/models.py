@@ -13,7 +13,7 @@ import jax
 class MnistCNN(nn.Module):
     """Seed 000's MNIST CNN (Flax's MNIST example): two 3×3 convolutions and two dense layers.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> variables = MnistCNN().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
         >>> MnistCNN().apply(variables, jnp.zeros((2, 28, 28, 1))).shape
@@ -40,7 +40,7 @@ class CifarNet(nn.Module):
     As in the seed, convolutions pad to keep their size and pooling uses Flax's default
     stride of 1, so the first dense layer sees 30×30×16 features.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> variables = CifarNet().init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
         >>> CifarNet().apply(variables, jnp.zeros((2, 32, 32, 3))).shape
@@ -64,7 +64,7 @@ class NormCNN(nn.Module):
     """A small CNN with batch norm and dropout: mutable ``batch_stats`` and a dropout RNG,
     the train state of seed 003.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> variables = NormCNN().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
         >>> sorted(variables)

@@ -88,15 +88,26 @@ def test_nnx_model_trains_through_the_same_api():
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             self.hidden = nnx.Linear(64, 32, rngs=rngs)
+            self.norm = nnx.BatchNorm(32, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
             self.out = nnx.Linear(32, 10, rngs=rngs)
 
         def __call__(self, x):
-            return self.out(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
+            h = nnx.relu(self.norm(self.hidden(x.reshape(x.shape[0], -1))))
+            return self.out(self.dropout(h))
 
     mesh = meshkit.make_mesh("data=-1")
-    state, losses = run_steps(mesh, 30, model=train.nnx_model(MLP))
+    model = train.nnx_model(MLP)
+    initial = meshkit.to_host(setup(mesh, model=model)[0].collections)
+    state, losses = run_steps(mesh, 30, model=model)
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
     assert state.params["hidden"]["kernel"].get_value().shape == (64, 32)
+    final = meshkit.to_host(state.collections)
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(final), strict=True)
+    ]
+    assert any(moved)  # batch statistics and the dropout stream's counter advanced
 
 
 def fit(mesh, workdir, num_steps, **kwargs):

@@ -41,7 +41,7 @@ class _Field:
 def sidecar_path(path: str | Path) -> Path:
     """The JSON sidecar of an ArrayRecord file: its path with ``.json`` appended.
 
-    Example:
+    Examples:
         >>> sidecar_path("out/train.array_record").name
         'train.array_record.json'
     """
@@ -100,7 +100,7 @@ def write_array_record(source: Source, path: str | Path) -> Path:
     Raises:
         ValueError: The source is empty, or an example's fields differ from example 0's.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from meshkit.data._digits import digits
         >>> path = write_array_record(digits("test"), f"{tempfile.mkdtemp()}/test.array_record")
@@ -174,7 +174,7 @@ class ArrayRecordSource:
         FileNotFoundError: The file or its sidecar is missing.
         ValueError: The sidecar is malformed, or disagrees with the file.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from meshkit.data._digits import synthetic
         >>> path = f"{tempfile.mkdtemp()}/synthetic.array_record"

@@ -57,7 +57,7 @@ def interpolation_matrix(size_in: int, size_out: int) -> np.ndarray:
     ``scipy.ndimage.zoom(..., order=1, grid_mode=True, mode="nearest")`` when enlarging.
     Rows sum to one, so a constant image stays constant.
 
-    Example:
+    Examples:
         >>> interpolation_matrix(2, 4).tolist()
         [[1.0, 0.0], [0.75, 0.25], [0.25, 0.75], [0.0, 1.0]]
     """
@@ -80,7 +80,7 @@ def resize_bilinear(images_NxHxW: np.ndarray, height: int, width: int) -> np.nda
 
     Uses :func:`interpolation_matrix` along rows and columns (half-pixel centres).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> resize_bilinear(np.ones((1, 8, 8), np.float32), 28, 28).shape
         (1, 28, 28)
@@ -133,7 +133,7 @@ def digits(
         ImportError: scikit-learn is not installed.
         ValueError: An argument is outside the values above.
 
-    Example:
+    Examples:
         >>> source = digits("test", image_size=28)
         >>> len(source), source[0]["image"].shape, source[0]["image"].dtype
         (360, (28, 28, 1), dtype('float32'))
@@ -176,7 +176,7 @@ def synthetic(
     Returns:
         An :class:`ArraySource` with fields ``"image"`` and ``"label"``.
 
-    Example:
+    Examples:
         >>> source = synthetic(4, (8, 8, 1))
         >>> len(source), source[0]["image"].dtype, source[0]["label"].dtype
         (4, dtype('uint8'), dtype('int32'))

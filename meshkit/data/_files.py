@@ -162,7 +162,7 @@ def mnist(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySource:
         FileNotFoundError: A file is missing; the message lists every path tried.
         ValueError: A file is corrupt, truncated, or the counts differ.
 
-    Example:
+    Examples:
         >>> import struct, tempfile, numpy as np
         >>> from pathlib import Path
         >>> folder = Path(tempfile.mkdtemp())
@@ -183,7 +183,7 @@ def fashion_mnist(data_dir: str | Path, split: Literal["train", "test"]) -> Arra
 
     Only the messages and the fingerprint's name differ from :func:`mnist`.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> try:
         ...     fashion_mnist(tempfile.mkdtemp(), "train")
@@ -286,7 +286,7 @@ def cifar10(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySourc
         FileNotFoundError: A batch is missing; the message lists every path tried.
         ValueError: A file is not a CIFAR pickle, or has a wrong record size or count.
 
-    Example:
+    Examples:
         >>> import pickle, tempfile, numpy as np
         >>> from pathlib import Path
         >>> folder = Path(tempfile.mkdtemp())
@@ -326,7 +326,7 @@ def cifar100(
         FileNotFoundError: The file is missing; the message lists every path tried.
         ValueError: The file is not a CIFAR pickle, or has a wrong record size or count.
 
-    Example:
+    Examples:
         >>> import pickle, tempfile, numpy as np
         >>> from pathlib import Path
         >>> folder = Path(tempfile.mkdtemp()) / "cifar-100-python"

@@ -25,7 +25,7 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
     checkpoints; passing it back as ``state=`` resumes at that step, and is refused
     if the seed, batch size or data differ.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, GlobalBatchIterator, TrainPipeline
         >>> mesh = meshkit.make_mesh("data=-1")

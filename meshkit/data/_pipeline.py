@@ -120,7 +120,7 @@ class TrainPipeline(_Pipeline):
       prefetch: batches built ahead of time.
       worker_count: Grain worker processes (opt-in; see ``dataset``).
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, TrainPipeline
         >>> mesh = meshkit.make_mesh("data=-1")
@@ -228,7 +228,7 @@ class EvalPipeline(_Pipeline):
     ``False``, ``index`` is ``-1`` and the fields are zeros. ``num_steps`` is known up
     front from the example count, so every process runs the same number of steps.
 
-    Example:
+    Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, EvalPipeline
         >>> mesh = meshkit.make_mesh("data=-1")

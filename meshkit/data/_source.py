@@ -40,7 +40,7 @@ def source_fingerprint(source: object) -> str:
 class ArraySource:
     """A source over in-memory arrays that share their leading (example) dimension.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> source = ArraySource({"x": np.arange(6).reshape(3, 2), "y": np.arange(3)})
         >>> len(source), source[1]["x"].tolist(), int(source[1]["y"])
@@ -92,7 +92,7 @@ class ArraySource:
 def load_npz(path: str | Path, *, keys: tuple[str, ...] | None = None) -> ArraySource:
     """An ``ArraySource`` over the arrays of an ``.npz`` file (all of them, or ``keys``).
 
-    Example:
+    Examples:
         >>> import numpy as np, tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "d.npz")
         >>> np.savez(path, image=np.zeros((4, 2, 2)), label=np.arange(4))

@@ -55,7 +55,7 @@ def convert(
     Returns:
         The two ArrayRecord paths, train first.
 
-    Example:
+    Examples:
         >>> import pickle, tempfile, numpy as np
         >>> from pathlib import Path
         >>> folder = Path(tempfile.mkdtemp())
@@ -87,7 +87,7 @@ def _describe(path: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; see the module docstring.
 
-    Example:
+    Examples:
         >>> import pickle, tempfile, numpy as np
         >>> from pathlib import Path
         >>> folder = Path(tempfile.mkdtemp())

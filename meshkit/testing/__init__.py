@@ -1,6 +1,6 @@
 """Test helpers: fake CPU devices and local multi-process runs.
 
-Example:
+Examples:
     >>> from meshkit.testing import run_processes, set_cpu_devices
 """
 

@@ -27,7 +27,7 @@ class ProcessFailedError(RuntimeError):
 def set_cpu_devices(count: int) -> None:
     """Makes JAX's CPU backend show ``count`` devices; call before any JAX use.
 
-    Example:
+    Examples:
         >>> from meshkit.testing import set_cpu_devices
         >>> set_cpu_devices(8)  # doctest: +SKIP
     """
@@ -217,7 +217,7 @@ def run_processes(
       ProcessFailedError: a process exited non-zero or the timeout passed; the message
         includes the failing process's output and traceback.
 
-    Example:
+    Examples:
         >>> from meshkit.testing import run_processes
         >>> code = "import meshkit; meshkit.distributed.initialize()"
         >>> run_processes(["-c", code])  # doctest: +SKIP

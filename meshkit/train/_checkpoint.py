@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -33,7 +34,7 @@ class Checkpointer:
     Saves are asynchronous (the arrays are copied off the devices, then written in the
     background), happen every ``save_every`` steps, and the latest ``keep`` are kept.
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
         >>> checkpointer = Checkpointer(tempfile.mkdtemp(), save_every=10, keep=2)
         >>> checkpointer.save(10, {"w": jnp.ones(3)}, {"step": 10})
@@ -111,8 +112,19 @@ class PreemptionWatcher:
     def __init__(self) -> None:
         self._signalled = threading.Event()
         self._previous: Any = None
-        self._multi = jax.process_count() > 1
-        if not self._multi and threading.current_thread() is threading.main_thread():
+        processes = jax.process_count()
+        self._multi = processes > 1 and jax.distributed.is_initialized()
+        if processes > 1 and not self._multi:
+            # Several processes without jax.distributed (e.g. a TPU pod whose launch was
+            # not detected): a per-process flag could stop processes at different steps,
+            # which hangs the others, so preemption is not watched at all.
+            logging.getLogger("meshkit").warning(
+                "%d processes run without jax.distributed.initialize(), so SIGTERM cannot be "
+                "synchronised across them and preemption is not handled; call "
+                "meshkit.distributed.initialize() with an explicit coordinator.",
+                processes,
+            )
+        elif processes == 1 and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -123,7 +135,7 @@ class PreemptionWatcher:
         """Whether to save and stop after ``step``; call it at every step on every process."""
         if self._multi:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self._signalled.is_set()
+        return self._signalled.is_set()  # never set with several unsynchronised processes
 
     def close(self) -> None:
         """Restores the previous SIGTERM handler."""

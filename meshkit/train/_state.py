@@ -44,7 +44,7 @@ def linen_model(module: nn.Module, sample_input: Any) -> Model:
     Modules whose ``__call__`` takes ``train`` get it (dropout and batch norm switch
     on in training); modules without it, like most of the seeds' nets, run unchanged.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from meshkit.models import CifarNet
         >>> model = linen_model(CifarNet(), jnp.zeros((1, 32, 32, 3)))
@@ -77,9 +77,11 @@ def nnx_model(factory: Callable[[Any], Any]) -> Model:
     """Adapts a Flax NNX model: ``factory(rngs)`` builds it (``rngs`` is an ``nnx.Rngs``).
 
     The NNX state is split into ``params`` (``nnx.Param``) and ``state`` (everything
-    else, e.g. batch-norm statistics); ``apply`` merges them back for each call.
+    else: batch-norm statistics, the counters of the model's own RNG streams, which
+    dropout draws from); ``apply`` merges them back for each call and returns the
+    updated ``state``, so it is checkpointed and resumed like linen's ``batch_stats``.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> model = nnx_model(lambda rngs: nnx.Linear(3, 2, rngs=rngs))
         >>> sorted(model.init(jax.random.key(0)))
@@ -101,10 +103,14 @@ def nnx_model(factory: Callable[[Any], Any]) -> Model:
         rngs: Mapping[str, jax.Array] | None = None,
         mutable: Any = False,
     ) -> Any:
-        module = nnx.merge(graphdef, variables["params"], variables.get("state", nnx.State({})))
+        # Fresh Variable objects at this trace level: NNX refuses to mutate a variable
+        # (batch statistics, RNG counts) created at another one.
+        params, rest = jax.tree.map(
+            lambda leaf: leaf, (variables["params"], variables.get("state", nnx.State({})))
+        )
+        module = nnx.merge(graphdef, params, rest)
         module.train() if train else module.eval()
-        if rngs and hasattr(module, "rngs"):
-            module.rngs = nnx.Rngs(**rngs)
+        del rngs  # NNX modules carry their RNG streams in their state (checkpointed with it)
         outputs = module(inputs)
         if not mutable:
             return outputs
@@ -201,7 +207,7 @@ def create_train_state(
     when ``None``; ``PartitionRules.fsdp()`` for FSDP), and the state is created by a
     jit with those ``out_shardings``: it never exists in full on one device.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, meshkit
         >>> from meshkit.models import CifarNet
         >>> from meshkit.train import create_train_state, linen_model

@@ -97,7 +97,7 @@ def make_train_step(
     inserts the gradient all-reduce that ``pmean`` used to spell out. The input state
     is donated: its buffers are reused for the new state.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, meshkit
         >>> from meshkit.models import CifarNet
         >>> from meshkit.train import (classification_loss, create_train_state,
