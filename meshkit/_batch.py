@@ -65,7 +65,7 @@ class DataShard:
         return slice(self.start, self.stop)
 
 
-def _leading_dim_shards(sharding: NamedSharding) -> int:
+def leading_dim_shards(sharding: NamedSharding) -> int:
     spec = sharding.spec
     if len(spec) == 0 or spec[0] is None:
         return 1
@@ -102,7 +102,7 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
     sharding = _check_batch_sharding(sharding)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int | np.integer):
         raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}.")
-    shards = _leading_dim_shards(sharding)
+    shards = leading_dim_shards(sharding)
     if global_batch_size <= 0 or global_batch_size % shards:
         raise ValueError(
             f"Global batch size {global_batch_size} must be a positive multiple of the "
@@ -172,7 +172,7 @@ def _global_batch_size(local_batch: Any, local_rows: int, sharding: NamedShardin
     """Infers the global batch size, checking that processes agree on rows and replicas."""
     if jax.process_count() == 1:
         return local_rows
-    blocks = data_shard(sharding, _leading_dim_shards(sharding))
+    blocks = data_shard(sharding, leading_dim_shards(sharding))
     mine = np.array([local_rows, blocks.index, _digest(local_batch)], dtype=np.int64)
     gathered = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
     rows = gathered[:, 0].tolist()

@@ -16,9 +16,9 @@ from tqdm import tqdm
 from meshkit._compiles import count_compiles
 from meshkit._host import to_host
 from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
-from meshkit.evaluate import EvalStep, make_eval_step, run_eval
+from meshkit.evaluate import full_eval
 from meshkit.train._checkpoint import Checkpointer, PreemptionWatcher, abstract_like
-from meshkit.train._state import TrainState, state_shardings_of
+from meshkit.train._state import TrainState
 from meshkit.train._step import Batch, Metrics, PerExampleFn, classification_metrics
 
 
@@ -144,10 +144,7 @@ def fit(
     start = 0 if data_state is None else int(data_state["step"])
     evaluator = None
     if eval_pipeline is not None:
-        eval_step = make_eval_step(
-            per_example_fn, state_shardings_of(state), eval_pipeline.sharding
-        )
-        evaluator = _Evaluator(eval_step, per_example_fn, eval_pipeline, eval_every)
+        evaluator = _Evaluator(per_example_fn, eval_pipeline, eval_every)
     bar = tqdm(
         total=num_steps,
         initial=start,
@@ -187,7 +184,6 @@ def fit(
 
 @dataclasses.dataclass
 class _Evaluator:
-    step: EvalStep
     per_example_fn: PerExampleFn
     pipeline: EvalPipeline
     every: int | None
@@ -196,7 +192,8 @@ class _Evaluator:
         return last or bool(self.every and step % self.every == 0)
 
     def __call__(self, state: TrainState) -> dict[str, float]:
-        return run_eval(self.step, self.per_example_fn, state, self.pipeline)
+        result = full_eval(self.per_example_fn, state, self.pipeline)
+        return {"count": result.count, **result.metrics}
 
 
 class _Loop:

@@ -1,0 +1,174 @@
+"""``full_eval``: exact metrics (and per-example outputs) over a finite dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._batch import batch_sharding
+from meshkit._host import to_host
+from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
+from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """What ``full_eval`` measured.
+
+    Attributes:
+      metrics: the mean of each per-example value over the real examples.
+      count: how many real examples were evaluated (always the dataset's size).
+      per_example: the values named in ``collect``, one row per example, in the
+        dataset's order (padding removed).
+      num_steps: eval steps run (``ceil(count / global_batch_size)``).
+    """
+
+    metrics: dict[str, float]
+    count: int
+    per_example: dict[str, np.ndarray]
+    num_steps: int
+
+
+@functools.lru_cache(maxsize=32)
+def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mesh) -> Any:
+    """One jitted step per (function, collected names, mesh): compiled once per batch shape."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
+        values = dict(per_example_fn(state, batch))
+        kept = {name: values.pop(name) for name in collect}
+        sums = masked_sums(values, batch["mask"])
+        return {name: totals[name] + sums[name] for name in sums}, kept
+
+    return jax.jit(eval_step, out_shardings=(replicated, None))
+
+
+def _as_pipeline(
+    data: EvalPipeline | Mapping[str, np.ndarray], mesh: Mesh | None, batch_size: int | None
+) -> EvalPipeline:
+    if isinstance(data, EvalPipeline):
+        if mesh is not None or batch_size is not None:
+            raise ValueError(
+                "full_eval takes mesh and batch_size only for in-memory arrays; an "
+                "EvalPipeline already has its sharding and global batch size."
+            )
+        return data
+    if mesh is None or batch_size is None:
+        raise ValueError(
+            "full_eval on in-memory arrays needs mesh= and batch_size= (the global batch "
+            f"size, a multiple of the data axis); got mesh={mesh!r}, batch_size={batch_size!r}."
+        )
+    return EvalPipeline(
+        ArraySource(data), global_batch_size=batch_size, sharding=batch_sharding(mesh)
+    )
+
+
+def full_eval(
+    per_example_fn: PerExampleFn,
+    state: Any,
+    data: EvalPipeline | Mapping[str, np.ndarray],
+    *,
+    mesh: Mesh | None = None,
+    batch_size: int | None = None,
+    collect: Sequence[str] = (),
+) -> EvalResult:
+    """Evaluates ``per_example_fn`` on every example exactly once.
+
+    The data is padded to whole global batches with a mask, so the step keeps one
+    shape and compiles once for any dataset size, the last partial batch included.
+    Every process runs the same number of steps, known up front from the example
+    count, with no host synchronisation per step (one step in flight). Metrics are
+    masked sums and counts reduced inside jit (``where``-masked, so a NaN computed on
+    a padded row cannot leak) and divided once at the end; the count is checked
+    against the dataset's size.
+
+    Args:
+      per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``. The
+        batch holds the data fields plus ``mask`` and ``index``.
+      state: passed to ``per_example_fn`` (e.g. a train state or parameters).
+      data: an ``EvalPipeline``, or a dict of in-memory arrays with ``mesh`` and
+        ``batch_size`` (global) given.
+      mesh: the mesh, for in-memory arrays (the batch is split over ``data``).
+      batch_size: the global batch size, for in-memory arrays.
+      collect: names of per-example values to return in dataset order (e.g.
+        predictions) instead of averaging them.
+
+    Returns:
+      An ``EvalResult``.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np, meshkit
+        >>> from meshkit.evaluate import full_eval
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> def per_example(w, batch):
+        ...     pred = batch["x"] * w
+        ...     return {"error": jnp.abs(pred - batch["y"]), "pred": pred}
+        >>> arrays = {"x": np.arange(10.0), "y": 2 * np.arange(10.0)}
+        >>> result = full_eval(per_example, 2.0, arrays, mesh=mesh, batch_size=8,
+        ...                    collect=["pred"])
+        >>> result.count, result.metrics["error"], result.per_example["pred"][-3:].tolist()
+        (10, 0.0, [14.0, 16.0, 18.0])
+    """
+    pipeline = _as_pipeline(data, mesh, batch_size)
+    collect = tuple(collect)
+    pipeline_mesh = pipeline.sharding.mesh
+    assert isinstance(pipeline_mesh, Mesh)
+    step = _eval_step(per_example_fn, collect, pipeline_mesh)
+    totals: Totals | None = None
+    pending: tuple[jax.Array, Mapping[str, jax.Array], Totals] | None = None
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in collect}
+    indices: list[np.ndarray] = []
+
+    def drain(index: jax.Array, kept: Mapping[str, jax.Array], step_totals: Totals) -> None:
+        jax.block_until_ready(step_totals)
+        if not collect:
+            return
+        host_index = to_host(index)
+        real = host_index >= 0
+        indices.append(host_index[real])
+        for name, value in to_host(dict(kept)).items():
+            parts[name].append(value[real])
+
+    with GlobalBatchIterator(pipeline) as batches:
+        for batch in batches:
+            if totals is None:
+                totals = zero_totals(per_example_fn, state, batch, pipeline_mesh, collect)
+            new_totals, kept = step(state, batch, totals)
+            if pending is not None:  # the previous step, read while this one runs
+                drain(*pending)
+            pending = (batch["index"], kept, new_totals)
+            totals = new_totals
+    if pending is not None:
+        drain(*pending)
+    return _result(totals, pipeline, collect, indices, parts)
+
+
+def _result(
+    totals: Totals | None,
+    pipeline: EvalPipeline,
+    collect: tuple[str, ...],
+    indices: list[np.ndarray],
+    parts: dict[str, list[np.ndarray]],
+) -> EvalResult:
+    if totals is None:
+        empty = {name: np.zeros((0,)) for name in collect}
+        return EvalResult(metrics={}, count=0, per_example=empty, num_steps=0)
+    host = to_host(totals)
+    count = int(host.pop("count"))
+    if count != pipeline.num_examples:
+        raise RuntimeError(
+            f"Evaluation counted {count} examples but the dataset has {pipeline.num_examples}; "
+            "the batches were not padded and masked as expected."
+        )
+    per_example = {}
+    if collect:
+        order = np.argsort(np.concatenate(indices), kind="stable")
+        per_example = {name: np.concatenate(parts[name])[order] for name in collect}
+    metrics = {name: float(value) / count for name, value in host.items()}
+    return EvalResult(metrics, count, per_example, pipeline.num_steps or 0)

@@ -1,0 +1,114 @@
+"""``pad_shard_unpad``: the jit-era replacement for ``flax.jax_utils.pad_shard_unpad``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+from meshkit._batch import batch_sharding, data_shard, leading_dim_shards, shard_batch
+from meshkit._host import to_host
+
+
+def _rows(args: Sequence[Any]) -> int:
+    sizes = {np.shape(leaf)[0] for arg in args for leaf in jax.tree.leaves(arg)}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"pad_shard_unpad: the batched arguments have leading dimensions {sorted(sizes)}; "
+            "they must all have the same number of rows. Mark arguments that are not "
+            "batched (parameters, state) with static_argnums."
+        )
+    return sizes.pop()
+
+
+def _padded_rows(rows: int, min_batch: int | None, multiple: int) -> int:
+    """Rows per process after padding: the same on every process, a multiple of ``multiple``."""
+    if min_batch is not None and rows > min_batch:
+        raise ValueError(
+            f"pad_shard_unpad got {rows} rows but min_batch={min_batch}; min_batch must be "
+            "at least the largest batch, so that every call has one shape and one compile."
+        )
+    target = min_batch if min_batch is not None else rows
+    if min_batch is None and jax.process_count() > 1:
+        # Processes may hold different numbers of rows: agree on the largest.
+        target = int(np.max(multihost_utils.process_allgather(np.int64(rows))))
+    return max(multiple, -(-target // multiple) * multiple)
+
+
+def _pad(leaf: Any, rows: int) -> np.ndarray:
+    leaf = np.asarray(leaf)
+    padding = np.zeros((rows - leaf.shape[0], *leaf.shape[1:]), leaf.dtype)
+    return np.concatenate([leaf, padding])
+
+
+def pad_shard_unpad(
+    fn: Callable[..., Any],
+    sharding: Mesh | NamedSharding,
+    *,
+    static_argnums: Sequence[int] = (0,),
+    min_batch: int | None = None,
+    static_return: bool = False,
+    with_mask: bool = False,
+) -> Callable[..., Any]:
+    """Wraps a jitted ``fn`` so it takes any number of rows and returns exactly those rows.
+
+    Each batched argument (those not in ``static_argnums``) is padded with zeros along
+    its leading dimension to a multiple of the data shards (or to ``min_batch`` rows,
+    so that a short last batch keeps the same shape and does not recompile), turned
+    into a global array sharded over the data axis, and passed to ``fn``. Outputs are
+    brought back to the host and cut to the original rows; with ``static_return`` they
+    are returned as they are (for metrics that ``fn`` already reduced: pass
+    ``with_mask=True`` so it receives ``mask=`` and can ignore the padding).
+
+    On several processes each process passes its own rows and gets its own rows back;
+    give ``min_batch`` (at least every process's row count) to avoid the small
+    all-gather that otherwise agrees on the padded size.
+
+    Args:
+      fn: the function to call, typically ``jax.jit``-compiled.
+      sharding: a mesh (the batch goes over its ``data`` axis) or a batch sharding.
+      static_argnums: positions of arguments that are not batched (parameters).
+      min_batch: rows to pad every call to (per process).
+      static_return: return ``fn``'s outputs without unpadding.
+      with_mask: pass ``mask=`` (``True`` on real rows) to ``fn``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, meshkit
+        >>> from meshkit.evaluate import pad_shard_unpad
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> predict = jax.jit(lambda w, x: x @ w)
+        >>> padded = pad_shard_unpad(predict, mesh, min_batch=64)
+        >>> padded(jnp.ones((3, 2)), np.ones((5, 3))).shape
+        (5, 2)
+    """
+    batch = batch_sharding(sharding) if isinstance(sharding, Mesh) else sharding
+    shards = leading_dim_shards(batch)
+    shard_count = data_shard(batch, shards).count  # distinct row blocks between processes
+    multiple = shards // shard_count  # rows per process come in multiples of this
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        batched = [i for i in range(len(args)) if i not in static_argnums]
+        rows = _rows([args[i] for i in batched])
+        padded_rows = _padded_rows(rows, min_batch, multiple)
+        global_rows = padded_rows * shard_count
+        call = list(args)
+        for i in batched:
+            local = jax.tree.map(functools.partial(_pad, rows=padded_rows), args[i])
+            call[i] = shard_batch(local, batch, global_batch_size=global_rows)
+        kwargs = {}
+        if with_mask:
+            mask = np.arange(padded_rows) < rows
+            kwargs["mask"] = shard_batch(mask, batch, global_batch_size=global_rows)
+        outputs = fn(*call, **kwargs)
+        if static_return:
+            return outputs
+        mine = data_shard(batch, global_rows).slice
+        return jax.tree.map(lambda out: to_host(out)[mine][:rows], outputs)
+
+    return wrapper

@@ -1,0 +1,129 @@
+"""The objective: the exact mean of per-example losses over the real rows, plus L2."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshkit.lbfgs._data import Dataset
+from meshkit.lbfgs._tree import tree_sum_squares
+
+LossFn = Callable[[Any, Any], jax.Array]
+"""``loss_fn(params, batch) -> losses[rows]``: one loss per example, not their mean."""
+
+L2Mask = Callable[[str, Any], bool]
+"""``l2_mask(path, leaf) -> bool``: whether the leaf at ``path`` (``"['b']"``) is penalised."""
+
+ValueAndGrad = Callable[[Any], tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class l2_except:  # noqa: N801 - used like a function: l2_mask=l2_except("b")
+    """An ``l2_mask`` that penalises every leaf except those whose path names one of ``names``.
+
+    A leaf is excluded when one of its path keys equals a name, e.g. ``"b"`` excludes
+    ``params["b"]`` (an intercept) and ``params["dense"]["b"]``. Equal masks compare
+    equal, so solvers built with them share compiled programs.
+
+    Examples:
+        >>> mask = l2_except("b")
+        >>> mask("['w']", None), mask("['b']", None)
+        (True, False)
+    """
+
+    names: tuple[str, ...]
+
+    def __init__(self, *names: str):
+        if not names or not all(isinstance(name, str) for name in names):
+            raise TypeError(
+                f"l2_except takes the leaf names to leave unpenalised, e.g. l2_except('b'); "
+                f"got {names!r}."
+            )
+        object.__setattr__(self, "names", tuple(names))
+
+    def __call__(self, path: str, leaf: Any) -> bool:
+        keys = {part.strip("'\"") for part in path.strip("[]").split("][")}
+        keys |= {part.lstrip(".") for part in path.split(".") if part}
+        return not keys & set(self.names)
+
+
+def l2_leaf_mask(params: Any, l2_mask: L2Mask | None) -> Any:
+    """A pytree of Python bools: which leaves of ``params`` the L2 term penalises."""
+    if l2_mask is None:
+        return jax.tree.map(lambda _: True, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: bool(l2_mask(jax.tree_util.keystr(path), leaf)), params
+    )
+
+
+def make_objective(
+    loss_fn: LossFn, data: Dataset, l2: jax.Array, l2_mask: L2Mask | None
+) -> ValueAndGrad:
+    """``params -> (value, grad)`` of ``mean(loss over real rows) + l2 / 2 * ||params||²``.
+
+    The mean divides a ``where``-masked sum by the number of real rows, so padded rows
+    contribute exactly nothing (a nan there cannot leak into the value). Inside a jit
+    with the data sharded over the data axis, the sum is an all-reduce: every device
+    ends with the same value and gradient.
+    """
+    count = jnp.sum(data.mask, dtype=jnp.int32)
+
+    def objective(params: Any) -> jax.Array:
+        losses = loss_fn(params, data.batch)
+        accumulate = jnp.promote_types(losses.dtype, jnp.float32)  # never sum in bf16
+        mean = jnp.sum(jnp.where(data.mask, losses, 0), dtype=accumulate) / count
+        penalised = [
+            leaf
+            for leaf, keep in zip(
+                jax.tree.leaves(params), jax.tree.leaves(l2_leaf_mask(params, l2_mask))
+            )
+            if keep
+        ]
+        return mean + (0.5 * l2 * tree_sum_squares(penalised)).astype(mean.dtype)
+
+    return jax.value_and_grad(objective)
+
+
+def multiclass_logreg(params: Any, batch: Any) -> jax.Array:
+    """Per-example softmax cross-entropy of a linear model: the seed's objective, unaveraged.
+
+    Args:
+      params: a weight matrix ``w[F, K]``, or ``{"w": w[F, K], "b": b[K]}`` with an
+        intercept.
+      batch: ``{"x": x[n, F], "y": y[n]}`` with integer labels in ``[0, K)``.
+
+    Returns:
+      ``losses[n] = logsumexp(x @ w + b) - (x @ w + b)[y]``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> batch = {"x": jnp.ones((2, 3)), "y": jnp.array([0, 1])}
+        >>> multiclass_logreg(jnp.zeros((3, 4)), batch).round(4).tolist()
+        [1.3863, 1.3863]
+    """
+    if isinstance(params, dict):
+        logits = batch["x"] @ params["w"] + params["b"]
+    else:
+        logits = batch["x"] @ params
+    picked = jnp.take_along_axis(logits, batch["y"][:, None].astype(jnp.int32), axis=1)[:, 0]
+    return jax.nn.logsumexp(logits, axis=1) - picked
+
+
+def linear_params(
+    num_features: int, num_classes: int, *, intercept: bool = False, dtype: Any = np.float32
+) -> Any:
+    """Zero parameters for ``multiclass_logreg``: ``w`` alone, or ``{"w", "b"}``.
+
+    Examples:
+        >>> linear_params(784, 10).shape
+        (784, 10)
+        >>> sorted(linear_params(784, 10, intercept=True))
+        ['b', 'w']
+    """
+    w = np.zeros((num_features, num_classes), dtype)
+    return {"w": w, "b": np.zeros((num_classes,), dtype)} if intercept else w

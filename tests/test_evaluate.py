@@ -1,0 +1,146 @@
+"""meshkit.evaluate: full_eval, pad_shard_unpad and stream_eval against numpy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.evaluate import full_eval, pad_shard_unpad, stream_eval
+
+D = jax.device_count()
+B = 128  # global batch
+SIZES = sorted({0, 1, D - 1 or 1, D, D + 1, B - 1, B, B + 1, 4097})
+
+
+def per_example(w, batch):
+    pred = batch["x"] * w
+    return {
+        "abs_error": jnp.abs(pred - batch["y"]),
+        "ratio": batch["x"] / batch["x"],  # 0 / 0 = NaN on every padded row
+        "pred": pred,
+    }
+
+
+def arrays(n: int) -> dict[str, np.ndarray]:
+    x = np.arange(1, n + 1, dtype=np.float32)
+    return {"x": x, "y": 3 * x + (np.arange(n) % 5).astype(np.float32)}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_full_eval_counts_every_example_once_and_matches_numpy(n):
+    mesh = meshkit.make_mesh("data=-1")
+    data = arrays(n)
+    result = full_eval(per_example, 3.0, data, mesh=mesh, batch_size=B, collect=["pred"])
+    assert result.count == n and result.num_steps == -(-n // B)
+    if n == 0:
+        assert result.metrics == {} and result.per_example["pred"].shape == (0,)
+        return
+    np.testing.assert_allclose(result.metrics["abs_error"], np.mean(np.arange(n) % 5), rtol=1e-6)
+    assert result.metrics["ratio"] == 1.0  # NaNs from padding did not leak
+    np.testing.assert_array_equal(result.per_example["pred"], 3 * data["x"])
+
+
+def test_full_eval_compiles_once_for_every_size():
+    mesh = meshkit.make_mesh("data=-1")
+
+    def fresh(w, batch):  # a function of its own: nothing compiled for it yet
+        return per_example(w, batch)
+
+    with meshkit.count_compiles() as log:
+        for n in (B + 1, 4097, 5, B):
+            full_eval(fresh, 3.0, arrays(n), mesh=mesh, batch_size=B, collect=["pred"])
+    assert log.count("eval_step") == 1
+
+
+def test_full_eval_bad_arguments():
+    mesh = meshkit.make_mesh("data=-1")
+    with pytest.raises(ValueError, match="needs mesh= and batch_size="):
+        full_eval(per_example, 3.0, arrays(4), mesh=mesh)
+    pipeline = meshkit.data.EvalPipeline(
+        meshkit.data.ArraySource(arrays(4)),
+        global_batch_size=B,
+        sharding=meshkit.batch_sharding(mesh),
+    )
+    with pytest.raises(ValueError, match="already has its sharding"):
+        full_eval(per_example, 3.0, pipeline, mesh=mesh, batch_size=B)
+
+
+@pytest.mark.parametrize("n", [1, D + 1, 37])
+def test_pad_shard_unpad_returns_exactly_the_rows(n):
+    mesh = meshkit.make_mesh("data=-1")
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    w = np.ones((3, 2), np.float32)
+    predict = jax.jit(lambda w, x: x @ w)
+    out = pad_shard_unpad(predict, mesh)(w, x)
+    np.testing.assert_allclose(out, x @ w)
+
+
+def test_pad_shard_unpad_with_min_batch_compiles_once():
+    mesh = meshkit.make_mesh("data=-1")
+
+    def predict(w, x):
+        return x @ w
+
+    wrapped = pad_shard_unpad(jax.jit(predict), mesh, min_batch=64)
+    with meshkit.count_compiles() as log:
+        for n in (64, 3, 50):
+            x = np.full((n, 3), 2.0, np.float32)
+            np.testing.assert_allclose(
+                wrapped(np.ones((3, 1), np.float32), x), np.full((n, 1), 6.0)
+            )
+    assert log.count("predict") == 1
+    with pytest.raises(ValueError, match="min_batch=64"):
+        wrapped(np.ones((3, 1)), np.ones((65, 3)))
+
+
+def test_pad_shard_unpad_static_return_with_mask():
+    mesh = meshkit.make_mesh("data=-1")
+
+    @jax.jit
+    def count_correct(labels, predictions, mask):
+        return jnp.sum(mask & (labels == predictions)), jnp.sum(mask)
+
+    wrapped = pad_shard_unpad(
+        count_correct, mesh, static_argnums=(), static_return=True, with_mask=True
+    )
+    labels = np.array([1, 2, 3, 0, 0])
+    correct, total = wrapped(labels, np.array([1, 2, 0, 0, 1]))
+    assert (int(correct), int(total)) == (3, 5)  # zero padding would add false matches unmasked
+
+
+def test_pad_shard_unpad_rejects_mismatched_rows():
+    mesh = meshkit.make_mesh("data=-1")
+    wrapped = pad_shard_unpad(jax.jit(lambda a, b: a + b), mesh, static_argnums=())
+    with pytest.raises(ValueError, match=r"leading dimensions \[3, 4\]"):
+        wrapped(np.ones(3), np.ones(4))
+
+
+def filtered(n: int, batch: int):
+    x = np.arange(n, dtype=np.float32)
+    for start in range(0, n, batch):
+        chunk = x[start : start + batch]
+        yield {"x": chunk[chunk % 3 != 0]}
+
+
+@pytest.mark.parametrize("n", [0, 7, 1000])
+def test_stream_eval_on_a_filtered_stream(n):
+    mesh = meshkit.make_mesh("data=-1")
+    rows = 8 * jax.local_device_count()
+    kept = [x for x in range(n) if x % 3 != 0]
+    template = {"x": np.zeros((0,), np.float32)}
+    result = stream_eval(
+        lambda _, b: {"x": b["x"]},
+        None,
+        filtered(n, rows),
+        mesh=mesh,
+        rows_per_process=rows,
+        template=template,
+    )
+    assert result.count == len(kept)
+    batches = -(-n // rows)
+    assert result.num_steps == batches + 1 + (batches == 0)  # one extra, all-padding step
+    if kept:
+        np.testing.assert_allclose(result.metrics["x"], np.mean(kept), rtol=1e-6)
