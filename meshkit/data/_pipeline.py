@@ -64,7 +64,8 @@ class _Pipeline:
         global_batch_size: int,
         sharding: NamedSharding,
         *,
-        num_threads: int,
+        num_threads: int | None,
+        transform: object | None,
         prefetch: int,
         worker_count: int,
     ):
@@ -72,10 +73,20 @@ class _Pipeline:
         self.source = source
         self.global_batch_size = global_batch_size
         self.sharding = sharding
+        if num_threads is None:
+            # Gathering rows from in-memory arrays is one numpy call: threads only add
+            # their start-up time. Anything per example (a transform, records read one by
+            # one) gets two threads.
+            fast = getattr(source, "getitems", None) is not None and transform is None
+            num_threads = 0 if fast else 2
         self.num_threads = num_threads
         self.prefetch = prefetch
         self.worker_count = worker_count
-        self.fingerprint = source_fingerprint(source)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The source's fingerprint, computed when a data state first needs it."""
+        return source_fingerprint(self.source)
 
     def local_batch(self, step: int) -> Record:
         raise NotImplementedError
@@ -85,7 +96,8 @@ class _Pipeline:
         if not 0 <= start_step <= stop:
             raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
         batches = grain.MapDataset.range(start_step, stop).map(self.local_batch)
-        read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self.prefetch)
+        prefetch = self.prefetch if self.num_threads else 0
+        read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
         iterable = batches.to_iter_dataset(read)
         if self.worker_count > 0:
             _mark_absl_flags_parsed()
@@ -116,7 +128,8 @@ class TrainPipeline(_Pipeline):
       transform: optional ``(record, rng) -> record`` augmentation.
       num_epochs: stop after this many epochs; ``None`` repeats forever.
       shuffle: ``False`` keeps the source order (for debugging and tests).
-      num_threads: threads that build batches ahead of time.
+      num_threads: threads that build batches ahead of time; by default 0 for in-memory
+        arrays without a transform (a batch is one numpy gather) and 2 otherwise.
       prefetch: batches built ahead of time.
       worker_count: Grain worker processes (opt-in; see ``dataset``).
 
@@ -144,7 +157,7 @@ class TrainPipeline(_Pipeline):
         transform: Transform | None = None,
         num_epochs: int | None = None,
         shuffle: bool = True,
-        num_threads: int = 2,
+        num_threads: int | None = None,
         prefetch: int = 4,
         worker_count: int = 0,
     ):
@@ -153,6 +166,7 @@ class TrainPipeline(_Pipeline):
             global_batch_size,
             sharding,
             num_threads=num_threads,
+            transform=transform,
             prefetch=prefetch,
             worker_count=worker_count,
         )
@@ -249,7 +263,7 @@ class EvalPipeline(_Pipeline):
         global_batch_size: int,
         sharding: NamedSharding,
         transform: EvalTransform | None = None,
-        num_threads: int = 2,
+        num_threads: int | None = None,
         prefetch: int = 4,
         worker_count: int = 0,
     ):
@@ -258,6 +272,7 @@ class EvalPipeline(_Pipeline):
             global_batch_size,
             sharding,
             num_threads=num_threads,
+            transform=transform,
             prefetch=prefetch,
             worker_count=worker_count,
         )

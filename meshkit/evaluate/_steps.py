@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PerExampleFn = Callable[[Any, Mapping[str, jax.Array]], Mapping[str, jax.Array]]
@@ -18,15 +19,16 @@ Totals = dict[str, jax.Array]
 def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
     """Sums of each per-example value over the real rows, and their ``count``.
 
-    Masking uses ``where``, not multiplication: a NaN computed on a padded row would
-    survive ``x * 0``.
+        Masking uses ``where``, not multiplication: a NaN computed on a padded row would
+        survive ``x * 0``.
 
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> sums = masked_sums({"loss": jnp.array([1.0, 3.0, jnp.nan])},
-        ...                    jnp.array([True, True, False]))
-        >>> float(sums["loss"]), int(sums["count"])
-        (4.0, 2)
+        Examples:
+            >>> import jax.numpy as jnp
+    import numpy as np
+            >>> sums = masked_sums({"loss": jnp.array([1.0, 3.0, jnp.nan])},
+            ...                    jnp.array([True, True, False]))
+            >>> float(sums["loss"]), int(sums["count"])
+            (4.0, 2)
     """
     sums = {
         name: jnp.sum(jnp.where(mask, value, 0).astype(jnp.float32))
@@ -45,6 +47,6 @@ def zero_totals(
 ) -> Totals:
     """Replicated zeros for every metric ``per_example_fn`` returns (shapes from ``eval_shape``)."""
     names = [name for name in jax.eval_shape(per_example_fn, state, batch) if name not in collect]
-    zeros = {name: jnp.zeros((), jnp.float32) for name in names}
-    zeros["count"] = jnp.zeros((), jnp.int32)
+    zeros = {name: np.zeros((), np.float32) for name in names}  # numpy: nothing to compile
+    zeros["count"] = np.zeros((), np.int32)
     return jax.device_put(zeros, NamedSharding(mesh, PartitionSpec()))
