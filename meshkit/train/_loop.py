@@ -164,7 +164,8 @@ def fit(
         watcher.close()
         bar.close()
         checkpointer.close()
-    timed_steps = step - start - 1
+    wall = time.perf_counter() - began
+    timed_steps = step - start - 1  # the first step of a run includes its compilation
     return FitResult(
         state=loop.state,
         step=step,
@@ -172,12 +173,8 @@ def fit(
         preempted=loop.preempted,
         train_metrics=loop.log.last,
         eval_metrics=loop.eval_metrics,
-        steps_per_second=timed_steps / loop.elapsed
-        if loop.elapsed > 0 and timed_steps > 0
-        else 0.0,
-        input_wait_fraction=batches.wait_seconds / wall
-        if (wall := time.perf_counter() - began) > 0
-        else 0.0,
+        steps_per_second=timed_steps / loop.elapsed if min(timed_steps, loop.elapsed) > 0 else 0.0,
+        input_wait_fraction=batches.wait_seconds / wall if wall > 0 else 0.0,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
     )
 
