@@ -16,6 +16,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 class Dataset:
     """All rows of a full-batch problem, padded to the mesh and sharded over its data axis.
 
+    Build it with ``shard_dataset`` or ``classification_data``. When you build one
+    yourself, fill the padded rows with ordinary values (e.g. copies of real rows):
+    the mask keeps a nan computed there out of the value, but a nan *input* would
+    still reach the gradient through the backward pass (``0 * nan`` is nan).
+
     Attributes:
       batch: a pytree of global ``jax.Array``s, every leaf with ``padded_rows`` rows,
         split over the data axis (``PartitionSpec(data_axis)``).
@@ -78,7 +83,7 @@ def _host_leaves(arrays: Any) -> tuple[list[np.ndarray], Any]:
 def _rows(arrays: Any, leaves: list[np.ndarray]) -> int:
     rows = {
         jax.tree_util.keystr(path): leaf.shape[0]
-        for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(arrays), leaves)
+        for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(arrays), leaves, strict=True)
     }
     if len(set(rows.values())) > 1:
         raise ValueError(
@@ -124,11 +129,13 @@ def shard_dataset(arrays: Any, mesh: Mesh, *, data_axis: str = "data") -> Datase
     rows = np.arange(padded) % count  # wrap around: padded rows repeat real ones
     sharding = NamedSharding(mesh, PartitionSpec(data_axis))
 
-    def place(host: np.ndarray) -> jax.Array:
-        full = host if padded == count else np.take(host, rows, axis=0)
+    def place(full: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
 
-    batch = jax.tree.unflatten(treedef, [place(leaf) for leaf in leaves])
+    def pad(host: np.ndarray) -> np.ndarray:
+        return host if padded == count else np.take(host, rows, axis=0)
+
+    batch = jax.tree.unflatten(treedef, [place(pad(leaf)) for leaf in leaves])
     mask = place(np.arange(padded) < count)
     return Dataset(batch=batch, mask=mask, num_examples=count)
 

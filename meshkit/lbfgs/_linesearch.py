@@ -60,19 +60,33 @@ def cubic_minimizer(a: _Point, b: _Point) -> tuple[jax.Array, jax.Array]:
     return step, (radicand >= 0) & jnp.isfinite(step)
 
 
-def _zoom_trial(lo: _Point, hi: _Point) -> jax.Array:
+def secant_minimizer(a: _Point, b: _Point) -> tuple[jax.Array, jax.Array]:
+    """Where the line through the slopes at ``a`` and ``b`` crosses zero, and validity."""
+    step = a.step - a.slope * (b.step - a.step) / (b.slope - a.slope)
+    return step, jnp.isfinite(step) & (b.slope != a.slope)
+
+
+def _zoom_trial(lo: _Point, hi: _Point, ulps: jax.Array) -> jax.Array:
     left, right = jnp.minimum(lo.step, hi.step), jnp.maximum(lo.step, hi.step)
     width = right - left
-    guess, valid = cubic_minimizer(lo, hi)
+    # When the two values differ by rounding only, they carry no information: use the
+    # slopes alone (a secant step), as Hager and Zhang do.
+    flat = jnp.abs(hi.value - lo.value) <= ulps
+    cubic, cubic_ok = cubic_minimizer(lo, hi)
+    secant, secant_ok = secant_minimizer(lo, hi)
+    guess, valid = jnp.where(flat, secant, cubic), jnp.where(flat, secant_ok, cubic_ok)
     inside = (guess >= left + MIN_SHRINK * width) & (guess <= right - MIN_SHRINK * width)
     usable = valid & inside & jnp.isfinite(hi.value) & jnp.isfinite(hi.slope)
     return jnp.where(usable, guess, 0.5 * (left + right))
 
 
-def _extrapolate(previous: _Point, current: _Point) -> jax.Array:
+def _extrapolate(previous: _Point, current: _Point, ulps: jax.Array) -> jax.Array:
     span = current.step - previous.step
     low, high = current.step + EXTRAPOLATE[0] * span, current.step + EXTRAPOLATE[1] * span
-    guess, valid = cubic_minimizer(previous, current)
+    flat = jnp.abs(current.value - previous.value) <= ulps
+    cubic, cubic_ok = cubic_minimizer(previous, current)
+    secant, secant_ok = secant_minimizer(previous, current)
+    guess, valid = jnp.where(flat, secant, cubic), jnp.where(flat, secant_ok, cubic_ok)
     guess = jnp.where(valid & (guess > current.step), guess, high)
     return jnp.minimum(jnp.clip(guess, low, high), MAX_STEP)
 
@@ -83,12 +97,12 @@ def _choose(flag: jax.Array, new: Any, old: Any) -> Any:
 
 def zoom_linesearch(
     value_and_grad: ValueAndGrad,
+    *,
     params: Any,
     value: jax.Array,
     grad: Any,
     direction: Any,
     initial_step: jax.Array,
-    *,
     max_evaluations: int,
     c1: float,
     c2: float,
@@ -118,13 +132,13 @@ def zoom_linesearch(
         trial_value, trial_grad = value_and_grad(tree_axpy(s.trial, direction, params))
         trial = _Point(s.trial, trial_value, tree_vdot(trial_grad, direction))
         finite = jnp.isfinite(trial.value) & jnp.isfinite(trial.slope)
-        too_long = (
-            ~finite
-            | (trial.value > value + c1 * trial.step * slope0)
-            | (trial.value >= s.lo.value)
-        )
+        decrease = (trial.value <= value + c1 * trial.step * slope0) & (trial.value < s.lo.value)
+        # Within a few ulps of the start, values can no longer rank points: judge the
+        # trial by its slope alone (the approximate Wolfe condition).
+        level = trial.value <= value + ulps
+        too_long = ~finite | ~(decrease | level)
         curved = jnp.abs(trial.slope) <= -c2 * slope0
-        accept = finite & curved & (~too_long | (trial.value <= value + ulps))
+        accept = ~too_long & curved
         uphill = jnp.where(
             s.bracketed, trial.slope * (s.hi.step - s.lo.step) >= 0, trial.slope >= 0
         )
@@ -133,7 +147,9 @@ def zoom_linesearch(
         hi = _choose(too_long & ~accept, trial, _choose(flip, s.lo, s.hi))
         lo = _choose(new_lo, trial, s.lo)
         bracketed = s.bracketed | (too_long & ~accept) | flip
-        next_trial = jnp.where(bracketed, _zoom_trial(lo, hi), _extrapolate(s.lo, trial))
+        next_trial = jnp.where(
+            bracketed, _zoom_trial(lo, hi, ulps), _extrapolate(s.lo, trial, ulps)
+        )
         return _Search(
             trial=next_trial,
             lo=lo,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ L2Mask = Callable[[str, Any], bool]
 
 ValueAndGrad = Callable[[Any], tuple[jax.Array, Any]]
 
+_PATH_KEY = re.compile(r"\[['\"]([^'\"]*)['\"]\]|\.(\w+)|\[(\d+)\]")
+
 
 @dataclasses.dataclass(frozen=True)
 class l2_except:  # noqa: N801 - used like a function: l2_mask=l2_except("b")
@@ -32,8 +35,8 @@ class l2_except:  # noqa: N801 - used like a function: l2_mask=l2_except("b")
 
     Examples:
         >>> mask = l2_except("b")
-        >>> mask("['w']", None), mask("['b']", None)
-        (True, False)
+        >>> mask("['w']", None), mask("['b']", None), mask("['dense'].b", None)
+        (True, False, False)
     """
 
     names: tuple[str, ...]
@@ -47,8 +50,8 @@ class l2_except:  # noqa: N801 - used like a function: l2_mask=l2_except("b")
         object.__setattr__(self, "names", tuple(names))
 
     def __call__(self, path: str, leaf: Any) -> bool:
-        keys = {part.strip("'\"") for part in path.strip("[]").split("][")}
-        keys |= {part.lstrip(".") for part in path.split(".") if part}
+        # keystr paths: ['key'] for dict keys, .name for attributes, [0] for sequences
+        keys = {next(filter(None, match)) for match in _PATH_KEY.findall(path)}
         return not keys & set(self.names)
 
 
@@ -80,7 +83,9 @@ def make_objective(
         penalised = [
             leaf
             for leaf, keep in zip(
-                jax.tree.leaves(params), jax.tree.leaves(l2_leaf_mask(params, l2_mask))
+                jax.tree.leaves(params),
+                jax.tree.leaves(l2_leaf_mask(params, l2_mask)),
+                strict=True,
             )
             if keep
         ]
@@ -103,7 +108,7 @@ def multiclass_logreg(params: Any, batch: Any) -> jax.Array:
     Examples:
         >>> import jax.numpy as jnp
         >>> batch = {"x": jnp.ones((2, 3)), "y": jnp.array([0, 1])}
-        >>> multiclass_logreg(jnp.zeros((3, 4)), batch).round(4).tolist()
+        >>> [round(loss, 4) for loss in multiclass_logreg(jnp.zeros((3, 4)), batch).tolist()]
         [1.3863, 1.3863]
     """
     if isinstance(params, dict):

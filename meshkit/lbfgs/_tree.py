@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 def tree_vdot(a: Any, b: Any) -> jax.Array:
     """The inner product of two pytrees with the same structure, as one scalar."""
-    dots = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    dots = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
     return sum(dots[1:], start=dots[0]) if dots else jnp.zeros(())
 
 
@@ -24,12 +24,12 @@ def tree_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(tree_sum_squares(tree))
 
 
-def tree_axpy(alpha: jax.Array, x: Any, y: Any) -> Any:
+def tree_axpy(alpha: jax.Array | float, x: Any, y: Any) -> Any:
     """``alpha * x + y`` leaf by leaf, in the dtype of ``y``."""
     return jax.tree.map(lambda a, b: (alpha * a + b).astype(b.dtype), x, y)
 
 
-def tree_scale(alpha: jax.Array, x: Any) -> Any:
+def tree_scale(alpha: jax.Array | float, x: Any) -> Any:
     """``alpha * x`` leaf by leaf, keeping each leaf's dtype."""
     return jax.tree.map(lambda a: (alpha * a).astype(a.dtype), x)
 

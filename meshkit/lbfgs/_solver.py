@@ -1,0 +1,391 @@
+"""``LBFGS``: full-batch L-BFGS over data sharded on a mesh, each solve one jitted program."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._rules import PartitionRules
+from meshkit.lbfgs import _programs
+from meshkit.lbfgs._data import Dataset, check_data_axis
+from meshkit.lbfgs._lbfgs import LBFGSState, Options
+from meshkit.lbfgs._objective import L2Mask, LossFn
+from meshkit.lbfgs._solution import Solution, raise_if_failed
+
+
+def _check_number(name: str, value: Any, *, low: float, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value >= low:
+        expected = "an int" if integer else "a number"
+        raise ValueError(f"LBFGS {name} must be {expected} >= {low}, got {value!r}.")
+
+
+def _put_host(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class LBFGS:
+    """Full-batch L-BFGS for ``mean(loss over real rows) + l2 / 2 * ||params||²``.
+
+    The data are sharded over ``data_axis``; the parameters are replicated (or placed
+    by ``param_rules``, e.g. over a model axis). ``solve`` is one jitted program with
+    a ``lax.while_loop``: one dispatch, no host round trip per iteration. ``init``,
+    ``step``, ``run`` and ``solution`` give the same iteration step by step, for
+    callbacks and checkpoints. The regularisation strength ``l2`` is an argument, not
+    a setting: a sweep of strengths compiles once, and ``solve_many`` solves a grid
+    of them in one program. Equal solvers share their compiled programs.
+
+    The defaults ``history_size=20, c2=0.5`` differ from the usual ``10`` and ``0.9``
+    (scipy, jaxopt): a longer memory and a more exact line search took about 13%
+    fewer iterations on seed 002's kind of problem, for about 40% more evaluations
+    per iteration than ``c2=0.9`` (still fewer than jaxopt's). ``history_size=10,
+    c2=0.9`` spends the fewest evaluations per iteration.
+
+    Attributes:
+      loss_fn: ``loss_fn(params, batch) -> losses[rows]``, one loss per example.
+      mesh: the mesh; it needs the axis ``data_axis``.
+      tol: stop when the gradient's Euclidean norm is at most ``tol`` (the seed's
+        ``jaxopt.LBFGS`` default, ``1e-3``).
+      rtol: stop when one iteration decreases the objective by at most ``rtol``
+        relative to ``max(|f|, 1)``; ``0`` turns this test off.
+      max_steps: the most iterations; also the length of the history arrays.
+      history_size: the number of curvature pairs kept (``m``); the state holds
+        ``2 m`` copies of the parameters.
+      max_linesearch_steps: the most evaluations in one line search.
+      c1: the sufficient-decrease constant of the Wolfe conditions.
+      c2: the curvature constant of the strong Wolfe conditions.
+      l2_mask: ``l2_mask(path, leaf) -> bool``, which leaves the L2 term penalises;
+        e.g. ``l2_except("b")`` leaves an intercept out. ``None``: all of them.
+      param_rules: how to shard the parameters (``meshkit.PartitionRules``);
+        ``None`` replicates them.
+      data_axis: the mesh axis the rows are split over.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> from meshkit import lbfgs
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.normal(size=(50, 3)).astype(np.float32)
+        >>> data = lbfgs.shard_dataset({"x": x, "y": x @ np.array([1.0, -2.0, 0.5])}, mesh)
+        >>> def squared_error(w, batch):
+        ...     return (batch["x"] @ w - batch["y"]) ** 2
+        >>> solver = lbfgs.LBFGS(squared_error, mesh, tol=1e-5)
+        >>> solution = solver.solve(np.zeros(3, np.float32), data)
+        >>> w = meshkit.to_host(solution.params).astype(float)
+        >>> solution.status.name, np.round(w, 3).tolist()
+        ('GRADIENT_TOLERANCE', [1.0, -2.0, 0.5])
+    """
+
+    loss_fn: LossFn
+    mesh: Mesh
+    _: dataclasses.KW_ONLY
+    tol: float = 1e-3
+    rtol: float = 0.0
+    max_steps: int = 500
+    history_size: int = 20
+    max_linesearch_steps: int = 20
+    c1: float = 1e-4
+    c2: float = 0.5
+    l2_mask: L2Mask | None = None
+    param_rules: PartitionRules | None = None
+    data_axis: str = "data"
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss_fn):
+            raise TypeError(
+                f"LBFGS loss_fn must be a function loss_fn(params, batch) -> per-example "
+                f"losses, got {type(self.loss_fn).__name__}: {self.loss_fn!r}."
+            )
+        check_data_axis(self.mesh, self.data_axis, where="LBFGS")
+        _check_number("tol", self.tol, low=0)
+        _check_number("rtol", self.rtol, low=0)
+        _check_number("max_steps", self.max_steps, low=1, integer=True)
+        _check_number("history_size", self.history_size, low=1, integer=True)
+        _check_number("max_linesearch_steps", self.max_linesearch_steps, low=1, integer=True)
+        if not 0 < self.c1 < self.c2 < 1:
+            raise ValueError(
+                f"LBFGS needs 0 < c1 < c2 < 1 for the Wolfe conditions, got c1={self.c1}, "
+                f"c2={self.c2}. Typical values are c1=1e-4 with c2 between 0.5 and 0.9."
+            )
+        if self.l2_mask is not None and not callable(self.l2_mask):
+            raise TypeError(
+                f"LBFGS l2_mask must be a function (path, leaf) -> bool such as "
+                f"l2_except('b'), or None; got {self.l2_mask!r}."
+            )
+
+    @property
+    def options(self) -> Options:
+        """The settings the iteration itself reads."""
+        return Options(
+            tol=self.tol,
+            rtol=self.rtol,
+            max_steps=self.max_steps,
+            history_size=self.history_size,
+            max_linesearch_steps=self.max_linesearch_steps,
+            c1=self.c1,
+            c2=self.c2,
+        )
+
+    # ---- placement and checks (on the host, before any tracing) ----
+
+    def _programs(self) -> _programs.Programs:
+        return _programs.programs(self)
+
+    def _strength(self, l2: Any, *, batched: bool = False) -> jax.Array:
+        value = np.asarray(l2, np.float32)
+        if (value.ndim != 1 or value.size == 0) if batched else value.ndim != 0:
+            expected, fix = (
+                ("a 1-D array of strengths", "For one strength use solve.")
+                if batched
+                else ("a scalar", "For a grid of strengths use solve_many.")
+            )
+            raise ValueError(f"l2 must be {expected}, got shape {value.shape}. {fix}")
+        if not np.all(np.isfinite(value)) or np.any(value < 0):
+            raise ValueError(f"l2 must be finite and >= 0, got {value}.")
+        return _put_host(value, NamedSharding(self.mesh, PartitionSpec()))
+
+    def _check(self, params: Any, data: Any) -> Dataset:
+        if not isinstance(data, Dataset):
+            raise TypeError(
+                f"LBFGS expects a meshkit.lbfgs.Dataset, got {type(data).__name__}. Pad and "
+                "shard the arrays first: lbfgs.shard_dataset({'x': x, 'y': y}, mesh) or "
+                "lbfgs.classification_data(x, y, mesh)."
+            )
+        sharding = getattr(data.mask, "sharding", None)
+        expected = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+        if not isinstance(sharding, NamedSharding) or not sharding.is_equivalent_to(expected, 1):
+            raise ValueError(
+                f"The dataset is sharded as {sharding}, but this solver expects rows split "
+                f"over {self.data_axis!r} of its mesh {dict(self.mesh.shape)}. Build the "
+                "dataset with the solver's mesh: shard_dataset(arrays, solver.mesh)."
+            )
+        _programs.check_params(params)
+        _programs.check_loss(self, params, data)
+        return data
+
+    def place_params(self, params: Any) -> Any:
+        """Puts host parameters on the mesh (replicated, or as ``param_rules`` say).
+
+        Every process must pass the same values; arrays already placed stay as they are.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> solver.place_params(start).sharding.is_fully_replicated
+            True
+        """
+        _programs.check_params(params)
+        shardings = _programs.param_shardings(self, params)
+
+        def put(leaf: Any, sharding: NamedSharding) -> jax.Array:
+            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+                return leaf
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
+            return _put_host(leaf, sharding)
+
+        return jax.tree.map(put, params, shardings)
+
+    def load_state(self, tree: Any) -> LBFGSState:
+        """Puts a saved state (host arrays, e.g. from ``np.load`` or Orbax) back on the mesh.
+
+        Examples:
+            >>> import jax, numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> data = lbfgs.shard_dataset({"x": np.arange(8.0, dtype=np.float32)}, mesh)
+            >>> solver = lbfgs.LBFGS(lambda w, b: (b["x"] - w) ** 2, mesh, max_steps=3)
+            >>> state = solver.init(np.float32(0.0), data)
+            >>> saved = meshkit.to_host(state)  # a pytree of numpy arrays
+            >>> restored = solver.load_state(saved)
+            >>> int(restored.iteration), restored.value_history.shape
+            (0, (4,))
+        """
+        if not isinstance(tree, LBFGSState):
+            raise TypeError(
+                f"load_state expects an LBFGSState of arrays, got {type(tree).__name__}. "
+                "Rebuild it with jax.tree.unflatten(jax.tree.structure(state), leaves)."
+            )
+        length = np.shape(tree.value_history)[-1]
+        if length != self.max_steps + 1 or np.shape(tree.rho_history)[-1] != self.history_size:
+            raise ValueError(
+                f"The saved state has room for {length - 1} steps and "
+                f"{np.shape(tree.rho_history)[-1]} pairs, but this solver has max_steps="
+                f"{self.max_steps} and history_size={self.history_size}. Load it with a "
+                "solver built with the same settings."
+            )
+        return jax.tree.map(_put_host, tree, _programs.state_shardings(self, tree))
+
+    # ---- the public steps ----
+
+    def init(self, params: Any, data: Dataset, l2: Any = 0.0) -> LBFGSState:
+        """The state before the first iteration (one evaluation of value and gradient).
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> state = solver.init(start, data, l2=0.1)
+            >>> int(state.iteration), round(float(state.value), 4)  # log(2) at zero
+            (0, 0.6931)
+        """
+        data = self._check(params, data)
+        return self._programs().init(self.place_params(params), data, self._strength(l2))
+
+    def step(self, state: LBFGSState, data: Dataset, l2: Any = 0.0) -> LBFGSState:
+        """One iteration (one dispatch); a finished state comes back unchanged.
+
+        Driving a loop of steps from Python, keep at most one step in flight: wait for
+        step ``k - 1`` (e.g. read its ``value``) after dispatching step ``k``.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> state = solver.step(solver.init(start, data, l2=0.1), data, l2=0.1)
+            >>> int(state.iteration), float(state.value) < 0.6931
+            (1, True)
+        """
+        data = self._check(state.params, data)
+        return self._programs().step(state, data, self._strength(l2))
+
+    def terminate(self, state: LBFGSState) -> tuple[jax.Array, jax.Array]:
+        """``(done, status_code)`` as arrays: whether ``state`` has stopped, and why.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> done, code = solver.terminate(solver.init(start, data, l2=0.1))
+            >>> bool(done), lbfgs.Status(int(code)).name
+            (False, 'RUNNING')
+        """
+        return state.status != 0, state.status
+
+    def run(
+        self, state: LBFGSState, data: Dataset, l2: Any = 0.0, *, num_steps: int | None = None
+    ) -> LBFGSState:
+        """Iterates from ``state`` until it stops, or for at most ``num_steps`` iterations.
+
+        One dispatch. Running in chunks (``num_steps=k`` repeatedly, saving the state in
+        between) compiles once and gives bit for bit the trajectory of one ``run``.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> state = solver.run(solver.init(start, data, l2=0.1), data, l2=0.1, num_steps=3)
+            >>> int(state.iteration)
+            3
+            >>> solver.solution(solver.run(state, data, l2=0.1)).status.name
+            'GRADIENT_TOLERANCE'
+        """
+        if num_steps is None:
+            num_steps = self.max_steps
+        _check_number("num_steps", num_steps, low=0, integer=True)
+        budget = _put_host(
+            np.int32(min(num_steps, self.max_steps)), NamedSharding(self.mesh, PartitionSpec())
+        )
+        data = self._check(state.params, data)
+        return self._programs().run(state, data, self._strength(l2), budget)
+
+    def solution(self, state: LBFGSState, *, throw: bool = False) -> Solution:
+        """The ``Solution`` view of a state; with ``throw``, raises if it failed.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> solution = solver.solution(solver.init(start, data, l2=0.1))
+            >>> solution.status.name, int(solution.iterations)
+            ('RUNNING', 0)
+        """
+        solution = self._programs().solution(state)
+        return raise_if_failed(solution) if throw else solution
+
+    def solve(self, params: Any, data: Dataset, l2: Any = 0.0, *, throw: bool = True) -> Solution:
+        """Minimises the objective from ``params``: one jitted program, one dispatch.
+
+        Args:
+          params: the starting point (host arrays or arrays on the mesh); a previous
+            solution's ``params`` make a warm start.
+          data: the ``Dataset`` (from ``shard_dataset`` or ``classification_data``).
+          l2: the L2 strength (a traced argument: new values do not recompile).
+          throw: raise ``LBFGSError`` when the solve fails (``MAX_STEPS``,
+            ``LINESEARCH_FAILED``, ``NONFINITE``); this reads the status, so it waits
+            for the result. With ``False``, check ``solution.status`` yourself.
+
+        Returns:
+          The ``Solution``.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+            >>> start = lbfgs.linear_params(4, 2)
+            >>> solution = solver.solve(start, data, l2=0.1)
+            >>> solution.status.name, float(solution.grad_norm) <= solver.tol
+            ('GRADIENT_TOLERANCE', True)
+        """
+        data = self._check(params, data)
+        solution = self._programs().solve(self.place_params(params), data, self._strength(l2))
+        return raise_if_failed(solution) if throw else solution
+
+    def solve_many(self, params: Any, data: Dataset, l2: Any, *, throw: bool = True) -> Solution:
+        """Solves for every strength in ``l2`` (1-D) in one program (``vmap`` over the loop).
+
+        All solves start from ``params``; the result has a leading axis, one entry per
+        strength. The loop runs until the slowest solve stops; finished solves are
+        frozen meanwhile.
+
+        Examples:
+            >>> import numpy as np, meshkit
+            >>> from meshkit import lbfgs
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> x = np.linspace(-1, 1, 16, dtype=np.float32)[:, None]
+            >>> data = lbfgs.shard_dataset({"x": x, "y": 3 * x[:, 0]}, mesh)
+            >>> def loss(w, batch):
+            ...     return (batch["x"] @ w - batch["y"]) ** 2
+            >>> solver = lbfgs.LBFGS(loss, mesh, tol=1e-6)
+            >>> path = solver.solve_many(np.zeros(1, np.float32), data, [0.0, 1.0])
+            >>> np.round(meshkit.to_host(path.params)[:, 0].astype(float), 3).tolist()
+            [3.0, 1.291]
+        """
+        data = self._check(params, data)
+        strengths = self._strength(l2, batched=True)
+        solution = self._programs().solve_many(self.place_params(params), data, strengths)
+        return raise_if_failed(solution) if throw else solution
