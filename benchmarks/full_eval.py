@@ -34,7 +34,7 @@ def correct(state, batch):
     return {"correct": (predictions == batch["label"]).astype(jnp.float32)}
 
 
-def case(name, module, arrays, batch_size, mesh, rounds):
+def case(name, module, arrays, batch_size, *, mesh, rounds):
     sample = jnp.zeros((1, *arrays["image"].shape[1:]))
     state = train.create_train_state(train.linen_model(module, sample), optax.sgd(0.1), mesh)
     sharding = meshkit.batch_sharding(mesh)
@@ -83,9 +83,9 @@ def main() -> None:
         "label": rng.integers(0, 10, 10_000).astype(np.int32),
     }
     results = {
-        "digits": case("digits test split, NormCNN", NormCNN(), digits, 64, mesh, rounds=20),
+        "digits": case("digits test split, NormCNN", NormCNN(), digits, 64, mesh=mesh, rounds=20),
         "synthetic": case(
-            "synthetic 32x32x3, seed 001 net", CifarNet(), synthetic, 256, mesh, rounds=4
+            "synthetic 32x32x3, seed 001 net", CifarNet(), synthetic, 256, mesh=mesh, rounds=4
         ),
     }
     save("full_eval", results)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ def methods(
         return correct, n
 
     def exact() -> tuple[int, int]:
-        def correct(state: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        def correct(state: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
             predictions = state.apply_fn(state.variables(), batch["image"]).argmax(-1)
             return {"correct": (predictions == batch["label"]).astype(jnp.float32)}
 

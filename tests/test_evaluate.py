@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import meshkit
+from meshkit.data import ArraySource, EvalPipeline
 from meshkit.evaluate import full_eval, pad_shard_unpad, stream_eval
 
 D = jax.device_count()
@@ -59,8 +60,8 @@ def test_full_eval_bad_arguments():
     mesh = meshkit.make_mesh("data=-1")
     with pytest.raises(ValueError, match="needs mesh= and batch_size="):
         full_eval(per_example, 3.0, arrays(4), mesh=mesh)
-    pipeline = meshkit.data.EvalPipeline(
-        meshkit.data.ArraySource(arrays(4)),
+    pipeline = EvalPipeline(
+        ArraySource(arrays(4)),
         global_batch_size=B,
         sharding=meshkit.batch_sharding(mesh),
     )

@@ -47,6 +47,6 @@ def zero_totals(
 ) -> Totals:
     """Replicated zeros for every metric ``per_example_fn`` returns (shapes from ``eval_shape``)."""
     names = [name for name in jax.eval_shape(per_example_fn, state, batch) if name not in collect]
-    zeros = {name: np.zeros((), np.float32) for name in names}  # numpy: nothing to compile
+    zeros: dict[str, np.ndarray] = {name: np.zeros((), np.float32) for name in names}
     zeros["count"] = np.zeros((), np.int32)
     return jax.device_put(zeros, NamedSharding(mesh, PartitionSpec()))
