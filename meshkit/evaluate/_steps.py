@@ -24,7 +24,6 @@ def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
 
         Examples:
             >>> import jax.numpy as jnp
-    import numpy as np
             >>> sums = masked_sums({"loss": jnp.array([1.0, 3.0, jnp.nan])},
             ...                    jnp.array([True, True, False]))
             >>> float(sums["loss"]), int(sums["count"])
