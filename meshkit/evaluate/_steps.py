@@ -19,15 +19,15 @@ Totals = dict[str, jax.Array]
 def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
     """Sums of each per-example value over the real rows, and their ``count``.
 
-        Masking uses ``where``, not multiplication: a NaN computed on a padded row would
-        survive ``x * 0``.
+    Masking uses ``where``, not multiplication: a NaN computed on a padded row would
+    survive ``x * 0``.
 
-        Examples:
-            >>> import jax.numpy as jnp
-            >>> sums = masked_sums({"loss": jnp.array([1.0, 3.0, jnp.nan])},
-            ...                    jnp.array([True, True, False]))
-            >>> float(sums["loss"]), int(sums["count"])
-            (4.0, 2)
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> sums = masked_sums({"loss": jnp.array([1.0, 3.0, jnp.nan])},
+        ...                    jnp.array([True, True, False]))
+        >>> float(sums["loss"]), int(sums["count"])
+        (4.0, 2)
     """
     sums = {
         name: jnp.sum(jnp.where(mask, value, 0).astype(jnp.float32))
