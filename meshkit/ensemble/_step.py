@@ -1,0 +1,344 @@
+"""The ensemble train step: one jit around a shard_map in which every member is a plain network.
+
+Inside the ``shard_map`` each device holds ``m = K / E`` members and its rows of the
+batch. The members run one after the other (a Python loop, unrolled at trace time), so
+each forward and backward pass is the ordinary un-batched network: its convolutions
+stay plain convolutions. ``vmap`` over members would turn them into grouped
+convolutions and ``lax.map`` into a loop that XLA's CPU backend runs far slower (see
+the ensembles guide for the measurements). The optimizer update, which is
+element-wise, is vectorised over the local members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshkit.ensemble._layout import EnsembleLayout
+from meshkit.ensemble._metrics import flatten_member_metrics
+from meshkit.ensemble._state import num_members_of
+from meshkit.train import LossOutput, TrainState
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+class MemberOutput(NamedTuple):
+    """What a member's loss function returns beside the loss, logits included.
+
+    Attributes:
+      collections: updated mutable collections (``{"batch_stats": ...}``), or ``{}``.
+      metrics: extra scalar metrics of this member (``{"accuracy": ...}``).
+      logits: the member's logits on its rows of the batch; with them (and a
+        ``label`` field in the batch) the step also reports the ensemble's loss and
+        accuracy on the training batch, from the averaged probabilities.
+    """
+
+    collections: Mapping[str, Any]
+    metrics: Mapping[str, jax.Array]
+    logits: jax.Array | None = None
+
+
+MemberLossFn = Callable[
+    [Any, TrainState, Batch, jax.Array], tuple[jax.Array, LossOutput | MemberOutput]
+]
+"""``loss_fn(params, member_state, batch, rng) -> (loss, MemberOutput | LossOutput)``.
+
+The same contract as ``meshkit.train.LossFn``, called once per member with that
+member's (un-stacked) train state and its rows of the batch; any ``meshkit.train``
+loss function works. Returning ``MemberOutput`` with logits adds ensemble metrics.
+"""
+
+
+def classification_loss(
+    params: Any, state: TrainState, batch: Batch, rng: jax.Array
+) -> tuple[jax.Array, MemberOutput]:
+    """One member's softmax cross-entropy on ``batch["image"]`` / ``batch["label"]``.
+
+    Like ``meshkit.train.classification_loss`` (training mode: dropout on, batch
+    statistics updated), and also returns the logits, so the ensemble step can average
+    the members' probabilities.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, meshkit
+        >>> from meshkit import train
+        >>> model = train.linen_model(nn.Dense(10), jnp.zeros((1, 4)))
+        >>> state = train.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=-1"))
+        >>> batch = {"image": jnp.ones((8, 4)), "label": jnp.zeros(8, jnp.int32)}
+        >>> loss, out = classification_loss(state.params, state, batch, jax.random.key(1))
+        >>> out.logits.shape, sorted(out.metrics)
+        ((8, 10), ['accuracy'])
+    """
+    mutable = list(state.collections) or False
+    out = state.apply_fn(
+        state.variables(params), batch["image"], train=True, rngs={"dropout": rng}, mutable=mutable
+    )
+    logits, collections = out if mutable else (out, {})
+    labels = batch["label"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    return loss, MemberOutput(collections, {"accuracy": accuracy}, logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """What the shard_map body needs to know about the layout (hashable, static)."""
+
+    ensemble: str
+    data: str | None  # None: the mesh has no data axis
+    data_size: int
+    num_members: int
+    per_device: int
+
+
+class _MemberResult(NamedTuple):
+    grads: Any
+    collections: Mapping[str, Any]
+    metrics: dict[str, jax.Array]
+
+
+def _pmean_floats(tree: Any, axis: str) -> Any:
+    """``pmean`` of every floating-point leaf, as one collective (integers are kept)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    means = jax.lax.pmean(tuple(leaves[i] for i in floats), axis)
+    for i, mean in zip(floats, means, strict=True):
+        leaves[i] = mean
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _member_grads(
+    loss_fn: MemberLossFn, member: TrainState, batch: Batch, axes: _Axes
+) -> tuple[_MemberResult, jax.Array | None]:
+    """One member's loss and gradient on this device's rows (not yet averaged), and logits."""
+    rng = jax.random.fold_in(jax.random.wrap_key_data(member.rng), member.step)
+    params = member.params
+    if axes.data is not None:
+        if axes.data_size > 1:  # each row block draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes.data))
+        # Differentiate a per-device copy: its gradient is this device's own, which the
+        # caller averages with pmean. (The gradient of the replicated params themselves
+        # would come back already summed over the data axis.)
+        params = jax.lax.pcast(params, axes.data, to="varying")
+    (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, member, batch, rng)
+    result = _MemberResult(grads, dict(out.collections), {"loss": loss, **out.metrics})
+    return result, getattr(out, "logits", None)
+
+
+def _stack(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _member_batch(batch: Batch, index: int, member_batches: bool) -> Batch:
+    return {key: value[:, index] for key, value in batch.items()} if member_batches else batch
+
+
+def _local_member_metrics(results: list[_MemberResult], axes: _Axes) -> jax.Array:
+    """This device's members' metrics and squared gradient norms, in their columns of K.
+
+    The other members' columns are zeros, so one ``psum`` over the ensemble axis
+    assembles every member's values on every device.
+    """
+    rows = [
+        jnp.stack([jnp.asarray(r.metrics[name], jnp.float32) for r in results])
+        for name in results[0].metrics
+    ]
+    rows.append(jnp.stack([optax.tree.norm(r.grads) ** 2 for r in results]))
+    local_NxM = jnp.stack(rows)
+    first = jax.lax.axis_index(axes.ensemble) * axes.per_device
+    zeros_NxK = jnp.zeros((local_NxM.shape[0], axes.num_members), jnp.float32)
+    return jax.lax.dynamic_update_slice(zeros_NxK, local_NxM, (0, first))
+
+
+def _ensemble_metrics(probs: jax.Array, labels: jax.Array, axes: _Axes) -> Metrics:
+    """The ensemble's loss and accuracy on the batch, from the averaged member probabilities."""
+    chosen = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+    loss = -jnp.log(jnp.maximum(chosen, jnp.finfo(probs.dtype).tiny)).mean()
+    accuracy = jnp.mean(jnp.argmax(probs, -1) == labels)
+    metrics = {"ensemble_loss": loss, "ensemble_accuracy": accuracy}
+    return metrics if axes.data is None else _pmean_floats(metrics, axes.data)
+
+
+def _body(
+    loss_fn: MemberLossFn, axes: _Axes, member_batches: bool, names: list[str]
+) -> Callable[..., Any]:
+    """The per-device step; it records the member metrics' names in ``names`` as it traces.
+
+    Collectives: one ``pmean`` over the data axis (every member's gradients, metrics and
+    batch statistics together), one ``psum`` over the ensemble axis (metrics and
+    probabilities together) and, with D > 1, one ``pmean`` of the ensemble metrics.
+    """
+
+    def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array, Metrics]:
+        results, logits = [], []
+        for index in range(axes.per_device):  # unrolled: plain networks, one after the other
+            member = jax.tree.map(lambda leaf, i=index: leaf[i], state)
+            result, member_logits = _member_grads(
+                loss_fn, member, _member_batch(batch, index, member_batches), axes
+            )
+            results.append(result)
+            logits.append(member_logits)
+        if axes.data is not None:
+            results = _pmean_floats(results, axes.data)
+        grads = _stack([r.grads for r in results])
+        collections = _stack([r.collections for r in results]) if results[0].collections else None
+        state = jax.vmap(lambda s, g, c: s.apply_gradients(g, c))(state, grads, collections)
+        names[:] = list(results[0].metrics)
+        with_probs = not member_batches and "label" in batch
+        with_probs = with_probs and all(x is not None for x in logits)
+        probs_sum = sum(jax.nn.softmax(x) for x in logits if x is not None) if with_probs else 0
+        member_NxK, probs_sum = jax.lax.psum(
+            (_local_member_metrics(results, axes), jnp.asarray(probs_sum)), axes.ensemble
+        )
+        ensemble_metrics: Metrics = {}
+        if with_probs:
+            ensemble_metrics = _ensemble_metrics(probs_sum / axes.num_members, batch["label"], axes)
+        return state, member_NxK, ensemble_metrics
+
+    return body
+
+
+def _metrics(
+    names: list[str], member_NxK: jax.Array, ensemble_metrics: Metrics, member_metrics: bool
+) -> Metrics:
+    """The step's scalars, from every member's ``[names + squared grad norm, K]`` metrics."""
+    metrics = {
+        "loss": member_NxK[names.index("loss")].mean(),
+        "grad_norm": jnp.sqrt(member_NxK[-1].sum()),
+        **ensemble_metrics,
+    }
+    if not member_metrics:
+        return metrics
+    by_name = {name: member_NxK[row] for row, name in enumerate(names)}
+    return {**metrics, **flatten_member_metrics(by_name)}
+
+
+def _check_inputs(
+    state: TrainState, batch: Batch, layout: EnsembleLayout, member_batches: bool
+) -> None:
+    """Trace-time checks (shapes are static), before shard_map reports them less clearly."""
+    num_members = num_members_of(state)
+    if num_members != layout.num_members:
+        raise ValueError(
+            f"The state holds {num_members} members but the step was built for "
+            f"{layout.num_members} ({layout!r}). Build the step and the state from the "
+            "same EnsembleLayout."
+        )
+    for key, value in batch.items():
+        shape = tuple(value.shape)
+        if not shape or shape[0] % layout.data_size:
+            raise ValueError(
+                f"Batch field {key!r} has shape {shape}: its rows must be a multiple of the "
+                f"{layout.data_size} devices of the {layout.data_axis!r} axis ({layout!r})."
+            )
+        if member_batches and (len(shape) < 2 or shape[1] != layout.num_members):
+            raise ValueError(
+                f"member_batches=True expects every batch field shaped [rows, "
+                f"{layout.num_members} members, ...] (from MemberTrainPipeline), but "
+                f"{key!r} has shape {shape}. Feed a MemberTrainPipeline, or build the step "
+                "with member_batches=False for one batch shared by all members."
+            )
+
+
+def make_ensemble_step(
+    loss_fn: MemberLossFn,
+    layout: EnsembleLayout,
+    *,
+    member_batches: bool = False,
+    member_metrics: bool = True,
+    donate: bool = True,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """A jitted ``step(state, batch) -> (state, metrics)`` training all K members at once.
+
+    Shardings are stated at the jit boundary: the ensemble state (from
+    ``create_ensemble_state``) keeps ``P('ensemble')`` on its member axis, the batch
+    arrives split over ``data`` and replicated over ``ensemble``, and the metrics come
+    back replicated. The input state is donated by default. Inside, a ``shard_map`` runs each
+    device's members one after the other on its rows of the batch; each member's
+    gradient is averaged over the data axis (``pmean``) and its optimizer update
+    applied. Members never mix: a member's parameters only ever see its own gradient.
+
+    Batch statistics (``batch_stats``) are computed per device over its rows, like a
+    ``pmap``'d BatchNorm without ``axis_name``, and the updated running averages are
+    averaged over the data axis, so all devices keep the same values. Dropout masks
+    come from each member's own key, folded with the step and, when D > 1, the row
+    block.
+
+    Metrics, all scalars (``meshkit.train.fit`` logs and checks them):
+
+    - ``loss``: the mean of the members' losses (what is minimised); ``grad_norm``:
+      the global norm of all members' gradients;
+    - ``member_<i>/loss`` and ``member_<i>/<metric>`` for every metric of ``loss_fn``
+      (read them back with ``per_member``);
+    - ``ensemble_loss`` and ``ensemble_accuracy`` of the averaged member probabilities
+      on the training batch, when ``loss_fn`` returns ``MemberOutput`` logits and the
+      members share the batch.
+
+    Args:
+      loss_fn: a member's loss, e.g. ``meshkit.ensemble.classification_loss``; any
+        ``meshkit.train`` loss function works too (no ensemble metrics then).
+      layout: the ``EnsembleLayout`` the state was built with.
+      member_batches: ``False`` (default): every member sees the same batch, as in
+        the ``pmap`` seed. ``True``: batches from ``MemberTrainPipeline``, whose fields
+        are ``[rows, K, ...]``, give each member its own data order.
+      member_metrics: report the ``member_<i>/...`` scalars (default). Each is one
+        more output of the step, which costs a little host time per step; ``False``
+        keeps only the ensemble-wide metrics.
+      donate: donate the input state, so the new state reuses its buffers (the
+        default, as ``meshkit.train.make_train_step``; rebind ``state`` after every
+        call). ``False`` keeps two copies of the state alive during a step but lets
+        XLA's CPU backend skip the copy of every parameter it inserts before updating
+        a donated buffer in place (measured in the ensembles guide).
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
+        >>> from meshkit import ensemble, train
+        >>> layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 2)
+        >>> model = train.linen_model(nn.Dense(10), jnp.zeros((1, 4)))
+        >>> state = ensemble.create_ensemble_state(model, optax.sgd(0.1), layout)
+        >>> step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
+        >>> batch = meshkit.shard_batch({"image": np.ones((8, 4), np.float32),
+        ...                              "label": np.arange(8, dtype=np.int32)},
+        ...                             layout.batch_sharding)
+        >>> state, metrics = step(state, batch)
+        >>> meshkit.to_host(state.step).tolist(), sorted(metrics)[:4]
+        ([1, 1], ['ensemble_accuracy', 'ensemble_loss', 'grad_norm', 'loss'])
+        >>> ensemble.per_member(meshkit.to_host(metrics), "accuracy").shape
+        (2,)
+    """
+    axes = _Axes(
+        ensemble=layout.ensemble_axis,
+        data=layout.data_axis if layout.has_data_axis else None,
+        data_size=layout.data_size,
+        num_members=layout.num_members,
+        per_device=layout.members_per_device,
+    )
+    batch_spec = layout.batch_spec
+    if member_batches:
+        batch_spec = PartitionSpec(axes.data, layout.ensemble_axis)
+
+    def ensemble_train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        _check_inputs(state, batch, layout, member_batches)
+        names: list[str] = []  # filled while the shard_map traces its body
+        mapped = jax.shard_map(
+            _body(loss_fn, axes, member_batches, names),
+            mesh=layout.mesh,
+            in_specs=(layout.member_spec, batch_spec),
+            out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
+        )
+        state, member_NxK, ensemble_metrics = mapped(state, dict(batch))
+        return state, _metrics(names, member_NxK, ensemble_metrics, member_metrics)
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return jax.jit(
+        ensemble_train_step,
+        in_shardings=(layout.state_sharding, layout.batch_sharding),
+        out_shardings=(layout.state_sharding, replicated),
+        donate_argnums=0 if donate else (),
+    )
