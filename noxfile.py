@@ -24,6 +24,19 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def layouts(session: nox.Session) -> None:
+    """Every recipe for a few steps as 1 process x 8 devices and as 2 x 4: same results."""
+    session.install("-e", ".[test]")
+    session.run("python", "tests/layout_equivalence.py", *session.posargs)
+
+
+@nox.session(python=False)
+def first_hour(session: nox.Session) -> None:
+    """A fresh clone and venv: the README's commands and every recipe, timed and checked."""
+    session.run("python3", "tests/first_hour.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff format --check and ruff check."""
     session.install("ruff>=0.6")

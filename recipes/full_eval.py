@@ -92,7 +92,7 @@ def methods(
 
     def simple_batching() -> tuple[int, int]:
         predict = jitted_logits()
-        local_state = jax.device_put(meshkit.to_host(state), jax.devices()[0])
+        local_state = jax.device_put(meshkit.to_host(state), jax.local_devices()[0])
         correct = 0
         for start in range(0, n, batch):
             predictions = np.asarray(predict(local_state, test["image"][start : start + batch]))
@@ -102,8 +102,10 @@ def methods(
     def drop_remainder() -> tuple[int, int]:
         predict = jitted_logits()
         correct = total = 0
+        rows = meshkit.data_shard(sharding, batch).slice  # this process's rows of a batch
         for start in range(0, n - n % batch, batch):
-            images = meshkit.shard_batch(test["image"][start : start + batch], sharding)
+            mine = test["image"][start : start + batch][rows]
+            images = meshkit.shard_batch(mine, sharding, global_batch_size=batch)
             predictions = meshkit.to_host(predict(state, images)).argmax(-1)
             correct += int((predictions == test["label"][start : start + batch]).sum())
             total += batch

@@ -6,7 +6,6 @@ import contextlib
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,8 @@ from typing import Any
 
 import jax
 
-from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, backend_started
+from meshkit.distributed import backend_started
+from meshkit.launch import free_port, process_environment
 
 
 class ProcessFailedError(RuntimeError):
@@ -43,13 +43,6 @@ def set_cpu_devices(count: int) -> None:
             "conftest.py), or set JAX_NUM_CPU_DEVICES in the environment."
         )
     jax.config.update("jax_num_cpu_devices", count)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _target_of(function: Callable[..., Any]) -> tuple[str, str, str]:
@@ -155,20 +148,16 @@ def start_processes(
     else:
         command = list(target)
     address = f"127.0.0.1:{free_port()}"
-    pythonpath = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
     processes = []
     for process_id in range(num_processes):
-        child_env = {
-            **os.environ,
-            **(env or {}),
-            ENV_COORDINATOR: address,
-            ENV_NUM_PROCESSES: str(num_processes),
-            ENV_PROCESS_ID: str(process_id),
-            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
-            "JAX_PLATFORMS": "cpu",
-            "MESHKIT_RESULT": str(logs / f"result_{process_id}.pkl"),
-            "PYTHONPATH": pythonpath,
-        }
+        child_env = process_environment(
+            process_id,
+            num_processes,
+            devices_per_process,
+            address,
+            base={**os.environ, **(env or {})},
+        )
+        child_env["MESHKIT_RESULT"] = str(logs / f"result_{process_id}.pkl")
         with (logs / f"process_{process_id}.log").open("wb") as out:
             processes.append(
                 subprocess.Popen(

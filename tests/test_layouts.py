@@ -1,0 +1,33 @@
+"""Recipes give the same results as 1 process × 8 devices and as 2 processes × 4 devices.
+
+The recipes whose training is already compared across layouts elsewhere
+(``data_parallel`` in test_train_processes, ``ensemble`` in test_ensemble_processes)
+are left to ``nox -s layouts``, which runs every recipe through
+``tests/layout_equivalence.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from layout_equivalence import compare, mismatches
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("recipe", ["sharding_demo", "full_eval", "lbfgs"])
+def test_recipe_agrees_on_one_and_two_processes(recipe: str, tmp_path: Path):
+    values, _, wrong = compare(recipe, tmp_path)
+    assert not wrong, wrong
+    assert values["1x8"] and values["1x8"].keys() == values["2x4"].keys()
+
+
+def test_a_difference_is_reported():
+    a = {"loss": 1.0, "test_accuracy": 0.5, "test_examples": 360.0}
+    assert mismatches(a, dict(a)) == []
+    assert mismatches(a, {**a, "loss": 1.001}) == ["loss: 1.0 vs 1.001"]
+    assert mismatches(a, {**a, "test_accuracy": 0.5 + 1 / 360}) == []  # one digit
+    assert mismatches(a, {**a, "test_accuracy": 0.51}) == ["test_accuracy: 0.5 vs 0.51"]
+    assert mismatches(a, {**a, "test_examples": 359.0}) == ["test_examples: 360.0 vs 359.0"]
+    assert mismatches(a, {"loss": 1.0}) == ["different keys: ['test_accuracy', 'test_examples']"]
