@@ -20,6 +20,7 @@ def run_recipe(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.multiprocess  # runs once: the recipe picks its own 8 devices
 def test_sharding_demo_matches_one_device_loss():
     stdout = run_recipe("recipes.sharding_demo")
     match = re.search(r"loss on 8 devices: (\d+\.\d+)  \(1 device: (\d+\.\d+)\)", stdout)
