@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.train import Model, TrainState
+from meshkit.train._state import init_state_from_key
 
 
 def member_keys(seed: int, num_members: int) -> jax.Array:
@@ -34,29 +35,15 @@ def member_keys(seed: int, num_members: int) -> jax.Array:
     return jax.vmap(lambda index: jax.random.fold_in(base, index))(jnp.arange(num_members))
 
 
-def _init_member(model: Model, tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
-    """One member's train state, laid out like ``meshkit.train.create_train_state``'s."""
-    init_rng, train_rng = jax.random.split(key)
-    variables = dict(model.init(init_rng))
-    params = variables.pop("params")
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=tx.init(params),
-        collections=variables,
-        rng=jax.random.key_data(train_rng),
-        apply_fn=model.apply,
-        tx=tx,
-    )
-
-
 def _init_ensemble(
     model: Model, tx: optax.GradientTransformation, num_members: int, seed: int
 ) -> TrainState:
     # A loop over the members (lax.map), not vmap: it runs once, and with several members
     # per device it compiles about twice as fast as the vmapped init (measured in the
     # ensembles guide). The partitioned loop still allocates only each device's members.
-    return jax.lax.map(functools.partial(_init_member, model, tx), member_keys(seed, num_members))
+    return jax.lax.map(
+        functools.partial(init_state_from_key, model, tx), member_keys(seed, num_members)
+    )
 
 
 def abstract_ensemble_state(

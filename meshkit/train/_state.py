@@ -160,7 +160,14 @@ class TrainState(struct.PyTreeNode):
 
 
 def _init_state(model: Model, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    init_rng, train_rng = jax.random.split(jax.random.key(seed))
+    return init_state_from_key(model, tx, jax.random.key(seed))
+
+
+def init_state_from_key(
+    model: Model, tx: optax.GradientTransformation, key: jax.Array
+) -> TrainState:
+    """A fresh train state from ``key``: split into the init key and the dropout key."""
+    init_rng, train_rng = jax.random.split(key)
     variables = dict(model.init(init_rng))
     params = variables.pop("params")
     return TrainState(
