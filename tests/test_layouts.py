@@ -9,6 +9,7 @@ across layouts in their own tests (``data_parallel`` in test_train_processes,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,16 @@ pytestmark = pytest.mark.multiprocess
 def test_full_eval_recipe_agrees_on_one_and_two_processes(tmp_path: Path):
     values, _, wrong = compare("full_eval", tmp_path)
     assert not wrong, wrong
-    assert values["1x8"] and values["1x8"].keys() == values["2x4"].keys()
+    assert values["1x8"].keys() == values["2x4"].keys()
+    # The recipe's own result, in one process (on two, the gathers that bring results
+    # to the host add compilations of their own): which methods count every example.
+    summary = json.loads((tmp_path / "full_eval" / "1x8" / "summary.json").read_text())
+    simple = summary["simple batching, keep remainder"]
+    assert (simple["examples"], simple["compiles"]) == (360, 2)
+    assert summary["drop_remainder"]["examples"] == 320
+    for exact in ("meshkit.evaluate.pad_shard_unpad", "meshkit.evaluate.full_eval"):
+        assert summary[exact]["examples"] == 360 and summary[exact]["compiles"] == 1
+        assert summary[exact]["accuracy"] == simple["accuracy"]
 
 
 def test_a_difference_is_reported():

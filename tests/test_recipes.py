@@ -75,15 +75,3 @@ def test_data_parallel_reads_real_file_formats(dataset, model, write, tmp_path):
     summary = json.loads(stdout.strip().splitlines()[-1])
     test_examples = 40 if dataset == "mnist" else 48
     assert summary["steps"] == 3 and summary["test_examples"] == test_examples
-
-
-@pytest.mark.multiprocess  # runs once
-def test_full_eval_recipe_counts_and_compiles(tmp_path):
-    run_recipe("recipes.full_eval", "--train-steps", "30", "--workdir", str(tmp_path))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    simple = summary["simple batching, keep remainder"]
-    assert (simple["examples"], simple["compiles"]) == (360, 2)
-    assert summary["drop_remainder"]["examples"] == 320
-    for exact in ("meshkit.evaluate.pad_shard_unpad", "meshkit.evaluate.full_eval"):
-        assert summary[exact]["examples"] == 360 and summary[exact]["compiles"] == 1
-        assert summary[exact]["accuracy"] == simple["accuracy"]
