@@ -14,6 +14,8 @@ from meshkit._compiles import count_compiles as count_compiles
 from meshkit._describe import describe as describe
 from meshkit._host import replicate as replicate
 from meshkit._host import to_host as to_host
+from meshkit._inflight import InFlight as InFlight
+from meshkit._inflight import default_max_in_flight as default_max_in_flight
 from meshkit._mesh import DEFAULT_AXIS_TYPE as DEFAULT_AXIS_TYPE
 from meshkit._mesh import make_mesh as make_mesh
 from meshkit._mesh import parse_axes as parse_axes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +103,12 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
     sharding = _check_batch_sharding(sharding)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int | np.integer):
         raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}.")
+    return _data_shard(sharding, int(global_batch_size), jax.process_index())
+
+
+@functools.lru_cache(maxsize=64)
+def _data_shard(sharding: NamedSharding, global_batch_size: int, process: int) -> DataShard:
+    """``data_shard``'s arithmetic, once per (sharding, batch size): hot loops call it per batch."""
     shards = leading_dim_shards(sharding)
     if global_batch_size <= 0 or global_batch_size % shards:
         raise ValueError(
@@ -117,17 +124,17 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
         {
             (index[0].start or 0) // rows_per_block
             for device, index in indices.items()
-            if device.process_index == jax.process_index()
+            if device.process_index == process
         }
     )
     if not mine:
         raise ValueError(
-            f"Process {jax.process_index()} has no device in the mesh of this sharding, so it "
+            f"Process {process} has no device in the mesh of this sharding, so it "
             "holds no rows. Build the mesh from all devices (meshkit.make_mesh does)."
         )
     if mine != list(range(mine[0], mine[-1] + 1)):
         raise ValueError(
-            f"Process {jax.process_index()} holds non-contiguous row blocks {mine} of "
+            f"Process {process} holds non-contiguous row blocks {mine} of "
             f"{shards}; meshkit needs each process's rows to be contiguous. Build the mesh "
             "with meshkit.make_mesh, which keeps a process's devices together."
         )
@@ -144,6 +151,9 @@ def _local_rows(local_batch: Any) -> int:
     leaves = jax.tree.leaves(local_batch)
     if not leaves:
         raise ValueError("shard_batch got an empty pytree; pass at least one array.")
+    shapes = [np.shape(leaf) for leaf in leaves]
+    if all(shapes) and len({shape[0] for shape in shapes}) == 1:
+        return shapes[0][0]
     rows = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(local_batch):
         shape = np.shape(leaf)
@@ -153,12 +163,10 @@ def _local_rows(local_batch: Any) -> int:
                 "leading example dimension."
             )
         rows[jax.tree_util.keystr(path)] = shape[0]
-    if len(set(rows.values())) > 1:
-        raise ValueError(
-            f"Batch leaves have different numbers of rows: {rows}. Every leaf of a batch "
-            "must have the same leading dimension."
-        )
-    return next(iter(rows.values()))
+    raise ValueError(
+        f"Batch leaves have different numbers of rows: {rows}. Every leaf of a batch "
+        "must have the same leading dimension."
+    )
 
 
 def _digest(local_batch: Any) -> int:
@@ -233,6 +241,18 @@ def shard_batch(
             f"[{shard.start}, {shard.stop}) ({shard.size} rows) on this process. Load "
             "meshkit.data_shard(sharding, global_batch_size).slice of each global batch."
         )
+
+    return place_local_rows(local_batch, sharding, global_batch_size)
+
+
+def place_local_rows(local_batch: Any, sharding: NamedSharding, global_batch_size: int) -> Any:
+    """``shard_batch`` without its checks, for batches built to fit (a pipeline's own).
+
+    One batched ``jax.device_put`` when this process holds the whole batch; otherwise
+    each process contributes its rows with ``jax.make_array_from_process_local_data``.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(local_batch, sharding)
 
     def to_global(leaf: Any) -> jax.Array:
         leaf = np.asarray(leaf)

@@ -110,7 +110,7 @@ def test_nnx_model_trains_through_the_same_api():
     assert any(moved)  # batch statistics and the dropout stream's counter advanced
 
 
-def fit(mesh, workdir, num_steps, **kwargs):
+def fit(mesh, workdir, num_steps, eval_every=None, **kwargs):
     state, step, pipeline = setup(mesh)
     evaluation = data.EvalPipeline(
         data.digits("test"), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
@@ -126,6 +126,7 @@ def fit(mesh, workdir, num_steps, **kwargs):
         keep_checkpoints=2,
         log_every=5,
         progress=False,
+        eval_every=eval_every,
         **kwargs,
     )
 
@@ -178,3 +179,75 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     message = str(info.value)
     assert "step 15" in message and "'loss': nan" in message and "step 10 in" in message
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10]
+
+
+def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
+    """Metrics are summed on the device; each line is the mean of its steps' values."""
+    mesh = meshkit.make_mesh("data=-1")
+    _, reference = run_steps(mesh, 20)  # one step at a time, every loss read on the host
+    lines = {}
+    for depth in (1, 4):
+        result = fit(mesh, tmp_path / str(depth), 20, eval_every=None, max_in_flight=depth)
+        assert result.max_in_flight == depth
+        logged = [json.loads(line) for line in (tmp_path / str(depth) / "metrics.jsonl").open()]
+        lines[depth] = [(line["step"], line["loss"]) for line in logged if "loss" in line]
+    expected = [(end, np.mean(reference[end - 5 : end])) for end in (5, 10, 15, 20)]
+    for depth in (1, 4):
+        assert [step for step, _ in lines[depth]] == [5, 10, 15, 20]
+        np.testing.assert_allclose(
+            [loss for _, loss in lines[depth]], [m for _, m in expected], rtol=1e-5
+        )
+    assert result.train_metrics["loss"] == lines[4][-1][1]
+
+
+def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    state, step, pipeline = setup(mesh)
+    first = train.fit(state, step, pipeline, num_steps=5, workdir=tmp_path, progress=False)
+    resumed = train.fit(first.state, step, pipeline, num_steps=10, workdir=tmp_path, progress=False)
+    assert (first.train_step_compiles, resumed.train_step_compiles) == (1, 0)
+    assert resumed.resumed_from == 5 and resumed.step == 10
+
+
+@pytest.mark.parametrize("checkpoint_every", [3, 10])
+def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, checkpoint_every):
+    """Step 15 goes bad inside the interval 11-20: found before any later save."""
+
+    def poisoned(params, state, batch, rng):
+        loss, out = train.classification_loss(params, state, batch, rng)
+        return jnp.where(state.step == 14, jnp.nan, loss), out  # the 15th step only
+
+    mesh = meshkit.make_mesh("data=-1")
+    state, _, pipeline = setup(mesh)
+    step = train.make_train_step(
+        poisoned, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
+    )
+    with pytest.raises(train.NonFiniteLossError, match="at step 15") as info:
+        train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=40,
+            workdir=tmp_path,
+            checkpoint_every=checkpoint_every,
+            log_every=10,
+            max_in_flight=4,
+            progress=False,
+        )
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+    assert saved[-1] < 15 and f"step {saved[-1]} in" in str(info.value)
+
+
+def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    state, step, pipeline = setup(mesh)
+
+    @jax.jit
+    def no_loss(state, batch):
+        state, metrics = step(state, batch)
+        return state, {"accuracy": metrics["accuracy"]}
+
+    with pytest.raises(ValueError, match=r"reports metrics \['accuracy'\].*metrics\['loss'\]"):
+        train.fit(state, no_loss, pipeline, num_steps=2, workdir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="max_in_flight must be an int >= 1 step, got 0"):
+        train.fit(state, step, pipeline, num_steps=2, workdir=tmp_path / "b", max_in_flight=0)

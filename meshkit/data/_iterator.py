@@ -1,29 +1,30 @@
-"""Global batches from a pipeline: sharded onto the mesh ahead of time, with a resumable state."""
+"""Global batches from a pipeline: placed on the mesh ahead of use, with a resumable state."""
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 
-from meshkit._batch import shard_batch
+from meshkit._batch import place_local_rows
 from meshkit.data._pipeline import EvalPipeline, TrainPipeline
-
-_DONE = object()
 
 
 class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
-    """Iterates global ``jax.Array`` batches; a background thread keeps ``prefetch`` ready.
+    """Iterates global ``jax.Array`` batches, each placed on the devices ``prefetch`` steps early.
 
     Each process-local batch from the pipeline becomes a global array with
-    ``meshkit.shard_batch`` (no cross-process communication). ``state()`` is a small
-    JSON-able dict (step, seed, global batch size, source fingerprint) for
-    checkpoints; passing it back as ``state=`` resumes at that step, and is refused
-    if the seed, batch size or data differ.
+    ``meshkit.shard_batch`` (no cross-process communication). Placement is queued
+    asynchronously, like a step, so the host-to-device copies of the next ``prefetch``
+    batches overlap the steps already queued; no thread of its own, so nothing
+    competes with the training loop for the interpreter. (Per-example work runs in
+    the pipeline's own threads or worker processes.) ``state()`` is a small JSON-able
+    dict (step, seed, global batch size, source fingerprint) for checkpoints; passing
+    it back as ``state=`` resumes at that step, and is refused if the seed, batch size
+    or data differ.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -48,39 +49,17 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         state: Mapping[str, Any] | None = None,
         prefetch: int = 2,
     ):
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1 batch, got {prefetch}.")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 batches, got {prefetch}.")
         self.pipeline = pipeline
+        self.prefetch = prefetch
         self._step = 0 if state is None else check_state(pipeline, state)
         self.wait_seconds = 0.0
-        """Time ``next()`` spent waiting for a batch: input-bound time of the consumer."""
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="meshkit-batches", daemon=True)
-        self._thread.start()
-
-    def _produce(self) -> None:
-        pipeline = self.pipeline
-        try:
-            for local in pipeline.dataset(self._step):
-                batch = shard_batch(
-                    local, pipeline.sharding, global_batch_size=pipeline.global_batch_size
-                )
-                if not self._put(batch):
-                    return
-        except BaseException as error:  # surfaced in the consumer's thread
-            self._put(error)
-            return
-        self._put(_DONE)
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        """Time ``next()`` spent getting batches (host gather and placement): input-bound time."""
+        self._local: Any = None  # the pipeline's iterator, opened by the first next()
+        self._placed: collections.deque[dict[str, jax.Array]] = collections.deque()
+        self._exhausted = False
+        self._closed = False
 
     def __next__(self) -> dict[str, jax.Array]:
         started = time.perf_counter()
@@ -90,21 +69,24 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
             self.wait_seconds += time.perf_counter() - started
 
     def _next(self) -> dict[str, jax.Array]:
-        while True:
-            if self._stop.is_set():
-                raise RuntimeError("This GlobalBatchIterator was closed.")
+        if self._closed:
+            raise RuntimeError("This GlobalBatchIterator was closed.")
+        pipeline = self.pipeline
+        if self._local is None:
+            self._local = pipeline.local_batches(self._step)
+        while len(self._placed) <= self.prefetch and not self._exhausted:
             try:
-                item = self._queue.get(timeout=0.1)
+                local = next(self._local)
+            except StopIteration:
+                self._exhausted = True
                 break
-            except queue.Empty:
-                continue
-        if item is _DONE:
-            self._queue.put(_DONE)  # later calls stop too
+            self._placed.append(
+                place_local_rows(local, pipeline.sharding, pipeline.global_batch_size)
+            )
+        if not self._placed:
             raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
         self._step += 1
-        return item
+        return self._placed.popleft()
 
     def __iter__(self) -> GlobalBatchIterator:
         return self
@@ -126,9 +108,13 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         return {"step": self._step, **self.pipeline.state_fields()}
 
     def close(self) -> None:
-        """Stops the background thread."""
-        self._stop.set()
-        self._thread.join(timeout=10)
+        """Releases the placed batches and the pipeline's iterator (and its threads)."""
+        self._closed = True
+        self._placed.clear()
+        close = getattr(self._local, "close", None)
+        if close is not None:
+            close()
+        self._local = None
 
     def __enter__(self) -> GlobalBatchIterator:
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -90,6 +90,24 @@ class _Pipeline:
 
     def local_batch(self, step: int) -> Record:
         raise NotImplementedError
+
+    def dataset(self, start_step: int = 0) -> grain.IterDataset:
+        raise NotImplementedError
+
+    def local_batches(self, start_step: int = 0) -> Iterator[Record]:
+        """This process's batches from ``start_step`` on, as a plain iterator.
+
+        Without threads or workers to spread the work over, the batches are built in
+        the caller's thread, one ``local_batch`` call each: the same batches Grain's
+        sequential read gives, without its per-element bookkeeping. Otherwise this is
+        ``iter(dataset(start_step))``.
+        """
+        if self.num_threads or self.worker_count:
+            return iter(self.dataset(start_step))
+        stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
+        if not 0 <= start_step <= stop:
+            raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
+        return map(self.local_batch, range(start_step, stop))
 
     def _batches(self, start_step: int, stop: int) -> grain.IterDataset:
         """Batches ``start_step .. stop - 1``, built ahead by threads (or worker processes)."""
@@ -292,8 +310,15 @@ class EvalPipeline(_Pipeline):
         """This process's rows of global batch ``step``, with ``mask`` and ``index``."""
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
+        fast = self.transform is None and getattr(self.source, "getitems", None) is not None
         if self.transform is None and valid.all():
             batch = _fetch(self.source, positions)
+        elif fast and valid.any():  # the real rows in one read, then zero rows
+            real = _fetch(self.source, positions[valid])
+            batch = {
+                key: np.concatenate([value, np.zeros_like(value[:1]).repeat((~valid).sum(), 0)])
+                for key, value in real.items()
+            }
         else:
             padding = {key: np.zeros_like(value) for key, value in self._template.items()}
             batch = stack_records(

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._batch import batch_sharding
 from meshkit._host import to_host
+from meshkit._inflight import InFlight, default_max_in_flight
 from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
 from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
 
@@ -83,7 +84,8 @@ def full_eval(
     The data is padded to whole global batches with a mask, so the step keeps one
     shape and compiles once for any dataset size, the last partial batch included.
     Every process runs the same number of steps, known up front from the example
-    count, with no host synchronisation per step (one step in flight). Metrics are
+    count, with no host synchronisation per step (a bounded number of steps queued:
+    ``default_max_in_flight``). Metrics are
     masked sums and counts reduced inside jit (``where``-masked, so a NaN computed on
     a padded row cannot leak) and divided once at the end; the count is checked
     against the dataset's size.
@@ -120,15 +122,14 @@ def full_eval(
     pipeline_mesh = pipeline.sharding.mesh
     assert isinstance(pipeline_mesh, Mesh)
     step = _eval_step(per_example_fn, collect, pipeline_mesh)
+    window: InFlight[tuple[jax.Array, Mapping[str, jax.Array]]] = InFlight(
+        default_max_in_flight(pipeline_mesh)
+    )
     totals: Totals | None = None
-    pending: tuple[jax.Array, Mapping[str, jax.Array], Totals] | None = None
     parts: dict[str, list[np.ndarray]] = {name: [] for name in collect}
     indices: list[np.ndarray] = []
 
-    def drain(index: jax.Array, kept: Mapping[str, jax.Array], step_totals: Totals) -> None:
-        jax.block_until_ready(step_totals)
-        if not collect:
-            return
+    def keep(index: jax.Array, kept: Mapping[str, jax.Array]) -> None:
         host_index = to_host(index)
         real = host_index >= 0
         indices.append(host_index[real])
@@ -139,13 +140,13 @@ def full_eval(
         for batch in batches:
             if totals is None:
                 totals = zero_totals(per_example_fn, state, batch, pipeline_mesh, collect)
-            new_totals, kept = step(state, batch, totals)
-            if pending is not None:  # the previous step, read while this one runs
-                drain(*pending)
-            pending = (batch["index"], kept, new_totals)
-            totals = new_totals
-    if pending is not None:
-        drain(*pending)
+            totals, kept = step(state, batch, totals)
+            for done in window.push((batch["index"], kept), totals["count"]):
+                if collect:
+                    keep(*done)
+    for done in window.drain():
+        if collect:
+            keep(*done)
     return _result(totals, pipeline, collect, indices, parts)
 
 

@@ -1,0 +1,174 @@
+"""What ``fit`` costs per step beyond the step itself, against two hand-written loops.
+
+    python -m benchmarks fit_overhead        # any backend; on CPU, 1 and 8 fake devices
+
+The same jitted train step (``make_train_step``), the same state and the same data,
+three ways, interleaved A B C A B C with a fresh state every round:
+
+- bare step: a hand loop over batches already on the devices (16 placed batches,
+  cycled): the step rate with no input work at all;
+- gather + device_put: a hand loop that takes each batch's rows from the in-memory
+  arrays (the pipeline's own ``local_batch``) and ``jax.device_put``s them, as a user
+  would write without meshkit;
+- fit: ``meshkit.train.fit`` over the ``TrainPipeline`` of the same arrays, logging
+  every 10 steps, one checkpoint (the last step), no evaluation.
+
+Every candidate is timed from the end of its first step (which holds the compile) to
+the end of its last, so the three rates are steady-state rates measured the same way
+(``fit`` reports its own, checkpoint and evaluation time excluded). On several CPU
+devices the hand loops wait for step k-1 after queuing step k, as ``fit`` does there
+(queuing many multi-device steps on fake CPU devices can stall XLA's rendezvous); on a
+GPU or TPU they never wait.
+
+Models: a tiny MLP on the 8×8 digits (batch 64: the bookkeeping dominates), and the
+MNIST CNN of the Flax ensembling HOWTO on the digits resized to 28×28 (batch 128).
+"""
+
+from __future__ import annotations
+
+import meshkit
+
+meshkit.distributed.initialize(cpu_devices=8)
+
+import collections  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any, Literal  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from benchmarks._harness import Measured, interleave, report, save  # noqa: E402
+from meshkit import data, train  # noqa: E402
+from meshkit.models import MnistCNN  # noqa: E402
+
+ON_CPU = jax.devices()[0].platform == "cpu"
+ROUNDS = 5
+
+
+class TinyMLP(nn.Module):
+    """64 inputs, 64 hidden units, 10 classes: a step of a few microseconds of math."""
+
+    @nn.compact
+    def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
+        return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
+
+
+def hand_loop(
+    step: Callable[..., Any], state: Any, next_batch: Callable[[int], Any], n: int, *, wait: bool
+) -> Measured:
+    """Runs ``n`` steps; returns the seconds of steps 2..n. ``wait``: block on step k-1."""
+    state, metrics = step(state, next_batch(0))
+    jax.block_until_ready(metrics)
+    queued: collections.deque[Any] = collections.deque()
+    started = time.perf_counter()
+    for k in range(1, n):
+        state, metrics = step(state, next_batch(k))
+        if wait:
+            queued.append(metrics)
+            if len(queued) > 1:
+                jax.block_until_ready(queued.popleft())
+    jax.block_until_ready(state)
+    return Measured(time.perf_counter() - started)
+
+
+def case(
+    name: str, module: nn.Module, *, image_size: Literal[8, 28], batch: int, mesh, steps: int
+) -> dict:
+    sharding = meshkit.batch_sharding(mesh)
+    source = data.digits("train", image_size=image_size)
+    pipeline = data.TrainPipeline(source, global_batch_size=batch, sharding=sharding, seed=0)
+    model = train.linen_model(module, jnp.zeros((1, image_size, image_size, 1)))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def fresh_state():
+        return train.create_train_state(model, tx, mesh, seed=0)
+
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(fresh_state()), sharding
+    )
+    placed = [jax.device_put(pipeline.local_batch(k), sharding) for k in range(16)]
+    wait = ON_CPU and mesh.size > 1
+    fit_stats: dict[str, list[float]] = {"input_wait_fraction": [], "compiles": []}
+
+    def bare():
+        return hand_loop(step, fresh_state(), lambda k: placed[k % 16], steps, wait=wait)
+
+    def gather_and_put():
+        def next_batch(k):
+            return jax.device_put(pipeline.local_batch(k), sharding)
+
+        return hand_loop(step, fresh_state(), next_batch, steps, wait=wait)
+
+    def fit():
+        with tempfile.TemporaryDirectory() as workdir:
+            result = train.fit(
+                fresh_state(),
+                step,
+                pipeline,
+                num_steps=steps,
+                workdir=workdir,
+                checkpoint_every=steps,
+                progress=False,
+            )
+        fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
+        fit_stats["compiles"].append(result.train_step_compiles)
+        return Measured((steps - 1) / result.steps_per_second)
+
+    candidates = {"bare step": bare, "gather + device_put": gather_and_put, "fit": fit}
+    timings = interleave(candidates, rounds=ROUNDS, warmup=1)
+    title = f"{name}, batch {batch}, {mesh.size} device(s), {steps} steps a round"
+    result = report(title, timings, baseline="gather + device_put", unit=f"{steps - 1} steps")
+    rate = {key: (steps - 1) / t.median for key, t in timings.items()}
+    per_step = {key: 1e6 / r for key, r in rate.items()}
+    result.update(
+        steps_per_second=rate,
+        fit_over_gather_and_put=timings["gather + device_put"].total / timings["fit"].total,
+        fit_over_bare=timings["bare step"].total / timings["fit"].total,
+        fit_overhead_us_vs_bare=per_step["fit"] - per_step["bare step"],
+        fit_overhead_us_vs_gather_and_put=per_step["fit"] - per_step["gather + device_put"],
+        fit_input_wait_fraction=max(fit_stats["input_wait_fraction"]),
+        fit_train_step_compiles_per_run=fit_stats["compiles"],
+    )
+    print(
+        "steps/s: "
+        + ", ".join(f"{key} {value:,.0f}" for key, value in rate.items())
+        + f"\nfit / gather + device_put {result['fit_over_gather_and_put']:.2f}x, "
+        f"fit / bare {result['fit_over_bare']:.2f}x (rates, from totals); "
+        f"fit overhead per step {result['fit_overhead_us_vs_bare']:.0f} us vs bare, "
+        f"{result['fit_overhead_us_vs_gather_and_put']:.0f} us vs gather + device_put; "
+        f"train step compiles per fit run {fit_stats['compiles']}"
+    )
+    return result
+
+
+def main() -> None:
+    one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
+    meshes = [one, meshkit.make_mesh("data=-1")] if ON_CPU and jax.device_count() > 1 else [one]
+    scale = 1 if ON_CPU else 4
+    results = []
+    for mesh in meshes:
+        steps = (1000 if mesh.size == 1 else 300) * scale
+        results.append(
+            case("tiny MLP, 8x8 digits", TinyMLP(), image_size=8, batch=64, mesh=mesh, steps=steps)
+        )
+        steps = (100 if mesh.size == 1 else 40) * scale * (5 if not ON_CPU else 1)
+        results.append(
+            case(
+                "MNIST CNN, 28x28 digits",
+                MnistCNN(),
+                image_size=28,
+                batch=128,
+                mesh=mesh,
+                steps=steps,
+            )
+        )
+    save("fit_overhead", {"cases": results})
+
+
+if __name__ == "__main__":
+    main()

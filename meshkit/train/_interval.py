@@ -1,0 +1,202 @@
+"""Step metrics kept on the device: summed over a log interval and read once per interval.
+
+``fit`` never reads a step's metrics on its own. It runs ``accumulating_step``, which
+calls the train step and adds its metrics, packed into one float32 vector, to a small
+replicated ``Interval`` on the device, with a counter and the position of the first
+step whose loss or gradient norm was not finite. The host reads the ``Interval`` at
+log, evaluation, checkpoint and preemption boundaries only: one small copy per
+interval instead of one blocking read per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._host import to_host
+
+WATCHED = ("loss", "grad_norm")
+"""Metrics whose non-finite values stop training (each one the step reports)."""
+
+StepFn = Callable[[Any, Any], tuple[Any, Mapping[str, jax.Array]]]
+
+
+class Interval(NamedTuple):
+    """Device-side totals of the steps since the last boundary (a pytree of 3 arrays).
+
+    Attributes:
+      sums: ``f32[size]``: every metric element, summed over the interval's steps.
+      steps: ``i32[]``: steps in the interval.
+      first_bad: ``i32[]``: 1-based position in the interval of the first step whose
+        watched metrics were not all finite; 0 while every step was finite.
+    """
+
+    sums: jax.Array
+    steps: jax.Array
+    first_bad: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricLayout:
+    """Where each metric lives in the packed vector (known before the first step runs).
+
+    Attributes:
+      names: the metric names, sorted.
+      shapes: each metric's shape (``()`` for the usual scalars).
+      watched: the names among ``WATCHED`` that the step reports.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    watched: tuple[str, ...]
+
+    @classmethod
+    def of(cls, metrics: Mapping[str, Any]) -> MetricLayout:
+        """The layout of a step's metrics (arrays or ``ShapeDtypeStruct``s)."""
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                "fit needs a train step returning (state, metrics) with metrics a dict of "
+                f"arrays, got metrics of type {type(metrics).__name__}."
+            )
+        watched = tuple(name for name in WATCHED if name in metrics)
+        if not watched:
+            raise ValueError(
+                f"The train step reports metrics {sorted(metrics)}, but fit watches "
+                f"{list(WATCHED)} to stop on a non-finite value and reports none of them. "
+                "Return the loss as metrics['loss'] (make_train_step does)."
+            )
+        names = tuple(sorted(metrics))
+        return cls(names, tuple(tuple(metrics[name].shape) for name in names), watched)
+
+    @property
+    def size(self) -> int:
+        """Elements in the packed vector."""
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    def pack(self, metrics: Mapping[str, jax.Array]) -> jax.Array:
+        """All metrics as one ``f32[size]`` vector (traced inside the step)."""
+        return jnp.concatenate(
+            [jnp.ravel(jnp.asarray(metrics[name], jnp.float32)) for name in self.names]
+        )
+
+    def finite(self, metrics: Mapping[str, jax.Array]) -> jax.Array:
+        """Whether every watched metric is finite (a traced boolean)."""
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[n])) for n in self.watched]))
+
+    def unpack(self, vector: np.ndarray) -> dict[str, Any]:
+        """Host values by name: floats for scalars, nested lists otherwise."""
+        values: dict[str, Any] = {}
+        offset = 0
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            size = math.prod(shape)
+            chunk = vector[offset : offset + size]
+            values[name] = float(chunk[0]) if shape == () else chunk.reshape(shape).tolist()
+            offset += size
+        return values
+
+
+def zero_interval(layout: MetricLayout, mesh: Mesh) -> Interval:
+    """An empty ``Interval``, replicated on ``mesh``."""
+    zeros = (np.zeros((layout.size,), np.float32), np.zeros((), np.int32), np.zeros((), np.int32))
+    return Interval(*jax.device_put(zeros, NamedSharding(mesh, PartitionSpec())))
+
+
+def _add(layout: MetricLayout, interval: Interval, metrics: Mapping[str, jax.Array]) -> Interval:
+    """``interval`` with one more step's ``metrics`` (traced)."""
+    steps = interval.steps + 1
+    newly_bad = (interval.first_bad == 0) & ~layout.finite(metrics)
+    first_bad = jnp.where(newly_bad, steps, interval.first_bad)
+    return Interval(interval.sums + layout.pack(metrics), steps, first_bad)
+
+
+@functools.lru_cache(maxsize=16)
+def interval_update(layout: MetricLayout, mesh: Mesh) -> Callable[[Interval, Any], Interval]:
+    """A jitted ``update(interval, metrics) -> interval``, for steps that are not jitted.
+
+    A train step written as plain Python (host logic between jitted calls) cannot run
+    inside ``accumulating_step``; its metrics are added by this second small program.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(functools.partial(_add, layout), out_shardings=replicated)
+
+
+def accumulating_step(
+    train_step: StepFn,
+    layout: MetricLayout,
+    state_shardings: Any,
+    mesh: Mesh,
+    *,
+    donate_state: bool,
+) -> Callable[[Any, Any, Interval], tuple[Any, Interval]]:
+    """``step(state, batch, interval) -> (state, interval)``: one jitted program per step.
+
+    The train step is traced inline (its own shardings become constraints), so the
+    update and the metric bookkeeping are one dispatch. The function carries the train
+    step's name, so compile counts by that name keep their meaning. The same arguments
+    give the same jitted function, so a second ``fit`` with the same step compiles
+    nothing new.
+    """
+    leaves, treedef = jax.tree.flatten(state_shardings)
+    return _accumulating_step(train_step, layout, (treedef, tuple(leaves)), mesh, donate_state)
+
+
+@functools.lru_cache(maxsize=16)
+def _accumulating_step(
+    train_step: StepFn,
+    layout: MetricLayout,
+    state_shardings: tuple[Any, tuple[Any, ...]],
+    mesh: Mesh,
+    donate_state: bool,
+) -> Callable[[Any, Any, Interval], tuple[Any, Interval]]:
+    treedef, sharding_leaves = state_shardings  # flattened: hashable
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def step(state: Any, batch: Any, interval: Interval) -> tuple[Any, Interval]:
+        state, metrics = train_step(state, batch)
+        return state, _add(layout, interval, metrics)
+
+    name = getattr(train_step, "__name__", "train_step")
+    step.__name__ = step.__qualname__ = name
+    return jax.jit(
+        step,
+        out_shardings=(
+            jax.tree.unflatten(treedef, sharding_leaves),
+            replicated,
+        ),
+        donate_argnums=(0,) if donate_state else (),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalRead:
+    """One interval, read on the host.
+
+    Attributes:
+      first: the interval's first step.
+      last: its last step.
+      means: each metric's mean over the interval's steps.
+      first_bad_step: the first step with a non-finite watched metric, or ``None``.
+    """
+
+    first: int
+    last: int
+    means: dict[str, Any]
+    first_bad_step: int | None
+
+
+def read_interval(layout: MetricLayout, interval: Interval, last: int) -> IntervalRead:
+    """Copies ``interval`` (which ended at step ``last``) to the host; blocks until it is ready."""
+    sums, steps, first_bad = to_host(interval)
+    count = int(steps)
+    first = last - count + 1
+    means = layout.unpack(sums / max(count, 1))
+    bad = int(first_bad)
+    return IntervalRead(first, last, means, first + bad - 1 if bad else None)
