@@ -140,8 +140,9 @@ def full_eval(
         for batch in batches:
             if totals is None:
                 totals = zero_totals(per_example_fn, state, batch, pipeline_mesh, collect)
-            totals, kept = step(state, batch, totals)
-            for done in window.push((batch["index"], kept), totals["count"]):
+            new_totals, kept = step(state, batch, totals)
+            totals = new_totals
+            for done in window.push((batch["index"], kept), new_totals["count"]):
                 if collect:
                     keep(*done)
     for done in window.drain():
