@@ -146,17 +146,41 @@ def case(
     return result
 
 
+def placement(mesh, *, image_size: Literal[8, 28], batch: int, calls: int = 300) -> dict:
+    """``meshkit.shard_batch`` against a plain ``jax.device_put`` with the same sharding."""
+    sharding = meshkit.batch_sharding(mesh)
+    source = data.digits("train", image_size=image_size)
+    pipeline = data.TrainPipeline(source, global_batch_size=batch, sharding=sharding, seed=0)
+    local = pipeline.local_batch(0)
+
+    def timed(place: Callable[[], Any]) -> Measured:
+        started = time.perf_counter()
+        jax.block_until_ready([place() for _ in range(calls)])
+        return Measured((time.perf_counter() - started) / calls)
+
+    candidates = {
+        "jax.device_put": lambda: timed(lambda: jax.device_put(local, sharding)),
+        "meshkit.shard_batch": lambda: timed(
+            lambda: meshkit.shard_batch(local, sharding, global_batch_size=batch)
+        ),
+    }
+    timings = interleave(candidates, rounds=ROUNDS, warmup=1)
+    title = (
+        f"placing one batch of {batch} images of {image_size}x{image_size}, {mesh.size} device(s)"
+    )
+    return report(title, timings, baseline="jax.device_put", unit="batch")
+
+
 def main() -> None:
     one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
     meshes = [one, meshkit.make_mesh("data=-1")] if ON_CPU and jax.device_count() > 1 else [one]
-    scale = 1 if ON_CPU else 4
     results = []
     for mesh in meshes:
-        steps = (1000 if mesh.size == 1 else 300) * scale
+        steps = 4000 if not ON_CPU else (1000 if mesh.size == 1 else 300)
         results.append(
             case("tiny MLP, 8x8 digits", TinyMLP(), image_size=8, batch=64, mesh=mesh, steps=steps)
         )
-        steps = (100 if mesh.size == 1 else 40) * scale * (5 if not ON_CPU else 1)
+        steps = 2000 if not ON_CPU else (40 if mesh.size == 1 else 20)
         results.append(
             case(
                 "MNIST CNN, 28x28 digits",
@@ -167,7 +191,10 @@ def main() -> None:
                 steps=steps,
             )
         )
-    save("fit_overhead", {"cases": results})
+    placements = [placement(mesh, image_size=8, batch=64) for mesh in meshes] + [
+        placement(mesh, image_size=28, batch=128) for mesh in meshes
+    ]
+    save("fit_overhead", {"cases": results, "placement": placements})
 
 
 if __name__ == "__main__":
