@@ -248,10 +248,19 @@ def shard_batch(
 def place_local_rows(local_batch: Any, sharding: NamedSharding, global_batch_size: int) -> Any:
     """``shard_batch`` without its checks, for batches built to fit (a pipeline's own).
 
-    One batched ``jax.device_put`` when this process holds the whole batch; otherwise
-    each process contributes its rows with ``jax.make_array_from_process_local_data``.
+    Three ways, by layout, all giving the same global arrays:
+
+    - one device: the host arrays go through an identity ``jax.jit``, whose argument
+      transfer is done by JAX's C++ dispatch (about 6× cheaper per batch than
+      ``jax.device_put``'s Python path on a CPU; measured in the fit benchmark);
+    - several devices, one process: one batched ``jax.device_put``;
+    - several processes: each process contributes its rows with
+      ``jax.make_array_from_process_local_data``.
     """
     if jax.process_count() == 1:
+        leaves = jax.tree.leaves(local_batch)
+        if sharding.num_devices == 1 and all(isinstance(leaf, np.ndarray) for leaf in leaves):
+            return _one_device_put(sharding)(local_batch)
         return jax.device_put(local_batch, sharding)
 
     def to_global(leaf: Any) -> jax.Array:
@@ -261,3 +270,11 @@ def place_local_rows(local_batch: Any, sharding: NamedSharding, global_batch_siz
         )
 
     return jax.tree.map(to_global, local_batch)
+
+
+@functools.lru_cache(maxsize=16)
+def _one_device_put(sharding: NamedSharding) -> Any:
+    def place_on_one_device(tree: Any) -> Any:
+        return tree
+
+    return jax.jit(place_on_one_device, out_shardings=sharding)

@@ -13,20 +13,22 @@ T = TypeVar("T")
 
 
 def default_max_in_flight(mesh: Mesh) -> int:
-    """How many steps a loop queues by default: 1 on CPU devices, 3 on GPUs and TPUs.
+    """How many steps a loop queues by default: 1 on a mesh of several CPU devices, else 3.
 
     An accelerator runs a step while the host prepares the next ones, so a few queued
     steps keep it busy: reading every step's results, even one step late, leaves a
-    GPU idle most of the time for small models. On CPU devices the steps share the
-    host's cores, so queuing gains nothing, and queuing many multi-device steps can
-    stall XLA:CPU's collective rendezvous on fake devices.
+    GPU idle most of the time for small models. On a mesh of several CPU devices (the
+    fake devices tests and rehearsals use), many queued multi-device steps can stall
+    XLA:CPU's collective rendezvous and abort the process, so one step is queued at a
+    time. A single CPU device has no collectives and queues like an accelerator.
 
     Examples:
-        >>> import meshkit
-        >>> default_max_in_flight(meshkit.make_mesh("data=-1"))
-        1
+        >>> import jax, meshkit
+        >>> default_max_in_flight(meshkit.make_mesh("data=1", devices=jax.devices()[:1]))
+        3
     """
-    return 1 if mesh.devices.flat[0].platform == "cpu" else 3
+    several_cpus = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+    return 1 if several_cpus else 3
 
 
 class InFlight(Generic[T]):

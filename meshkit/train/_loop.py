@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 from jax.sharding import Mesh
@@ -74,6 +74,7 @@ class _Log:
         self.checkpointer = checkpointer
         self.write = jax.process_index() == 0
         self.last: dict[str, Any] = {}
+        self._file: TextIO | None = None
 
     def interval(self, read: IntervalRead) -> None:
         """Checks an interval for non-finite steps, then records its means."""
@@ -97,9 +98,17 @@ class _Log:
         self.record({"step": read.last, **read.means})
 
     def record(self, entry: Mapping[str, Any]) -> None:
-        if self.write:
-            with self.path.open("a") as file:
-                file.write(json.dumps({**entry, "time": time.time()}) + "\n")
+        if not self.write:
+            return
+        if self._file is None:
+            self._file = self.path.open("a")
+        self._file.write(json.dumps({**entry, "time": time.time()}) + "\n")
+        self._file.flush()  # each line is on disk when written: a killed run keeps it
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def fit(
@@ -189,7 +198,8 @@ def fit(
     )
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
-    loop = _Loop(state, _Log(workdir, bar, checkpointer), evaluator, window, log_every)
+    log = _Log(workdir, bar, checkpointer)
+    loop = _Loop(state, log, evaluator, window, log_every)
     began = time.perf_counter()
     try:
         with count_compiles() as compiles:
@@ -201,6 +211,7 @@ def fit(
         batches.close()
         watcher.close()
         bar.close()
+        log.close()
         checkpointer.close()
     wall = time.perf_counter() - began
     timed_steps = step - start - 1  # the first step of a run includes its compilation
