@@ -72,3 +72,26 @@ def test_data_shard_single_process_owns_everything():
     assert np.arange(40)[shard.slice].tolist() == list(range(32))
     replicated = NamedSharding(mesh, P())
     assert meshkit.data_shard(replicated, 5).slice == slice(0, 5)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_every_placement_path_gives_what_device_put_gives(devices):
+    """One device goes through an identity jit, several through device_put: same arrays."""
+    if jax.device_count() < devices:
+        pytest.skip(f"needs {devices} devices")
+    mesh = meshkit.make_mesh(f"data={devices}", devices=jax.devices()[:devices])
+    sharding = meshkit.batch_sharding(mesh)
+    rows = 2 * devices
+    local = {
+        "image": np.random.default_rng(0).normal(size=(rows, 3, 2)),  # float64 on the host
+        "label": np.arange(rows, dtype=np.int64),
+        "mask": np.arange(rows) % 3 > 0,
+    }
+    placed = meshkit.shard_batch(local, sharding, global_batch_size=rows)
+    reference = jax.device_put(local, sharding)
+    for key in local:
+        assert placed[key].sharding == reference[key].sharding == sharding
+        assert placed[key].dtype == reference[key].dtype
+        np.testing.assert_array_equal(np.asarray(placed[key]), np.asarray(reference[key]))
+    local["image"][:] = 0  # the placed batch is a copy, not a view of the host array
+    assert np.asarray(placed["image"]).any()

@@ -1,0 +1,42 @@
+"""Bounded windows of queued steps: the default depth per backend, and the window itself."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshkit
+
+
+def test_one_device_queues_three_steps():
+    one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
+    assert meshkit.default_max_in_flight(one) == 3
+
+
+@pytest.mark.devices(8)
+def test_several_cpu_devices_queue_one_step():
+    assert meshkit.default_max_in_flight(meshkit.make_mesh("data=-1")) == 1
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_window_waits_for_the_oldest_and_keeps_the_order(limit):
+    window = meshkit.InFlight(limit)
+    step = jax.jit(lambda x: x + 1)
+    x, done = jnp.zeros(()), []
+    for k in range(7):
+        x = step(x)
+        finished = window.push(k, x)
+        assert len(window) <= limit
+        for item in finished:
+            assert item == len(done)  # oldest first, none skipped
+            done.append(item)
+    assert len(done) == 7 - limit
+    done.extend(window.drain())
+    assert done == list(range(7)) and len(window) == 0
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.0])
+def test_window_needs_a_positive_int(limit):
+    with pytest.raises(ValueError, match=f"got {limit!r}"):
+        meshkit.InFlight(limit)
