@@ -41,7 +41,9 @@ def tiny_model() -> train.Model:
     return train.linen_model(TinyCNN(), jnp.zeros((1, 8, 8, 1)))
 
 
-def run(axes: str, member_batches: bool, checkpoint_dir: str | None = None) -> dict:
+def run(
+    axes: str, member_batches: bool, strategy: str = "auto", checkpoint_dir: str | None = None
+) -> dict:
     """A few steps, a full evaluation and member 5 taken out, on ``axes``."""
     layout = ensemble.EnsembleLayout(meshkit.make_mesh(axes), MEMBERS)
     kwargs = {"global_batch_size": BATCH, "sharding": layout.batch_sharding, "seed": 2}
@@ -51,7 +53,10 @@ def run(axes: str, member_batches: bool, checkpoint_dir: str | None = None) -> d
         pipeline = data.TrainPipeline(data.digits("train"), **kwargs)
     state = ensemble.create_ensemble_state(tiny_model(), optax.sgd(0.1, momentum=0.9), layout)
     step = ensemble.make_ensemble_step(
-        ensemble.classification_loss, layout, member_batches=member_batches
+        ensemble.classification_loss,
+        layout,
+        member_batches=member_batches,
+        strategy=strategy,  # pyright: ignore[reportArgumentType]
     )
     losses = []
     with data.GlobalBatchIterator(pipeline) as batches:
@@ -61,7 +66,8 @@ def run(axes: str, member_batches: bool, checkpoint_dir: str | None = None) -> d
     evaluation = data.EvalPipeline(
         data.digits("test"), global_batch_size=64, sharding=layout.batch_sharding
     )
-    result = evaluate.full_eval(ensemble.ensemble_metrics(layout), state, evaluation)
+    metrics_fn = ensemble.ensemble_metrics(layout, strategy)  # pyright: ignore[reportArgumentType]
+    result = evaluate.full_eval(metrics_fn, state, evaluation)
     if checkpoint_dir is not None:
         checkpointer = train.Checkpointer(checkpoint_dir, save_every=1)
         checkpointer.save(STEPS, state, {"step": STEPS})
@@ -74,9 +80,13 @@ def run(axes: str, member_batches: bool, checkpoint_dir: str | None = None) -> d
     }
 
 
-def all_runs(checkpoint_dir: str | None = None) -> dict:
-    first, second = RUNS
-    return {first: run(*first), second: run(*second, checkpoint_dir=checkpoint_dir)}
+def all_runs(checkpoint_dir: str | None = None, strategies: tuple[str, str] = ("loop", "vmap")):
+    """Both runs; each member strategy once, so processes and strategies are crossed."""
+    (first, second), (one, two) = RUNS, strategies
+    return {
+        first: run(*first, one),
+        second: run(*second, two, checkpoint_dir=checkpoint_dir),
+    }
 
 
 def assert_same(result: dict, reference: dict) -> None:
@@ -92,7 +102,7 @@ def assert_same(result: dict, reference: dict) -> None:
 def test_two_processes_train_and_evaluate_like_one(tmp_path: Path):
     reference = all_runs()
     checkpoints = tmp_path / "checkpoints"
-    results = run_processes(all_runs, str(checkpoints), timeout=300)
+    results = run_processes(all_runs, str(checkpoints), ("vmap", "loop"), timeout=300)
     for process_results in results:
         assert process_results.keys() == reference.keys()
         for key, result in process_results.items():

@@ -2,7 +2,8 @@
 
 Member states are stacked on a leading axis of size K, split over the mesh axis
 ``ensemble``; batches are split over ``data``. Each device trains its K / E members
-one after the other as ordinary networks, inside one jitted step.
+inside one jitted step, batched with ``vmap`` on GPUs and TPUs and one after the other
+as ordinary networks on CPUs (``strategy``).
 """
 
 from meshkit.ensemble._data import MemberTrainPipeline as MemberTrainPipeline
@@ -21,3 +22,5 @@ from meshkit.ensemble._step import MemberLossFn as MemberLossFn
 from meshkit.ensemble._step import MemberOutput as MemberOutput
 from meshkit.ensemble._step import classification_loss as classification_loss
 from meshkit.ensemble._step import make_ensemble_step as make_ensemble_step
+from meshkit.ensemble._strategy import MemberStrategy as MemberStrategy
+from meshkit.ensemble._strategy import resolve_strategy as resolve_strategy

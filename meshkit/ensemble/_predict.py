@@ -12,21 +12,26 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import member_metric_name
+from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
 from meshkit.train import TrainState
 
 PerExampleFn = Callable[[TrainState, Mapping[str, jax.Array]], dict[str, jax.Array]]
 
 
-def _member_logits(layout: EnsembleLayout) -> Callable[[TrainState, jax.Array], jax.Array]:
-    """``(state, inputs) -> logits [K, rows, ...]``: each member in inference mode, plainly."""
+def _member_logits(
+    layout: EnsembleLayout, strategy: MemberStrategy
+) -> Callable[[TrainState, jax.Array], jax.Array]:
+    """``(state, inputs) -> logits [K, rows, ...]``: each member in inference mode."""
     data = layout.data_axis if layout.has_data_axis else None
+    resolved = resolve_strategy(strategy, layout)
+
+    def member_logits(member: TrainState, inputs: jax.Array) -> jax.Array:
+        return member.apply_fn(member.variables(), inputs, train=False)
 
     def body(state: TrainState, inputs: jax.Array) -> jax.Array:
-        logits = []
-        for index in range(layout.members_per_device):  # unrolled: plain networks
-            member = jax.tree.map(lambda leaf, i=index: leaf[i], state)
-            logits.append(member.apply_fn(member.variables(), inputs, train=False))
-        return jnp.stack(logits)
+        return map_members(
+            member_logits, resolved, layout.members_per_device, state, inputs, in_axes=(0, None)
+        )
 
     return jax.shard_map(
         body,
@@ -38,7 +43,7 @@ def _member_logits(layout: EnsembleLayout) -> Callable[[TrainState, jax.Array], 
 
 @functools.lru_cache(maxsize=32)
 def make_predict(
-    layout: EnsembleLayout,
+    layout: EnsembleLayout, strategy: MemberStrategy = "auto"
 ) -> Callable[[TrainState, jax.Array], tuple[jax.Array, jax.Array]]:
     """A jitted ``predict(state, inputs) -> (probabilities, member_logits)``.
 
@@ -47,7 +52,8 @@ def make_predict(
     ``data``) is the ensemble's prediction: the average of the K members' softmax
     probabilities, as in the ``pmap`` seed; ``member_logits`` (``[K, rows, classes]``,
     split over ``ensemble`` and ``data``) holds every member's own output. Members run
-    in inference mode. The same function is returned for equal layouts.
+    in inference mode, batched or one after the other as ``strategy`` says (see
+    ``make_ensemble_step``). The same function is returned for equal arguments.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -60,7 +66,7 @@ def make_predict(
         >>> probs.shape, logits.shape, bool(jnp.allclose(probs.sum(-1), 1.0))
         ((8, 10), (3, 8, 10), True)
     """
-    forward = _member_logits(layout)
+    forward = _member_logits(layout, strategy)
 
     def ensemble_predict(state: TrainState, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits_KxBxC = forward(state, inputs)
@@ -111,7 +117,7 @@ def classification_values(logits_KxBxC: jax.Array, labels_B: jax.Array) -> dict[
 
 
 @functools.lru_cache(maxsize=32)
-def ensemble_metrics(layout: EnsembleLayout) -> PerExampleFn:
+def ensemble_metrics(layout: EnsembleLayout, strategy: MemberStrategy = "auto") -> PerExampleFn:
     """The per-example function that evaluates an ensemble, for ``full_eval`` and ``fit``.
 
     ``fn(state, batch) -> {name: [rows]}`` on ``batch["image"]`` / ``batch["label"]``,
@@ -120,8 +126,8 @@ def ensemble_metrics(layout: EnsembleLayout) -> PerExampleFn:
     and ``accuracy`` (the members' means), and ``member_<i>/loss`` and
     ``member_<i>/accuracy``. ``meshkit.evaluate.full_eval`` masks the padding and
     averages each over the whole split; pass it to ``meshkit.train.fit`` as
-    ``per_example_fn``. The same function is returned for equal layouts, so the eval
-    step compiles once.
+    ``per_example_fn``. Members run as ``strategy`` says (see ``make_ensemble_step``).
+    The same function is returned for equal arguments, so the eval step compiles once.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -135,7 +141,7 @@ def ensemble_metrics(layout: EnsembleLayout) -> PerExampleFn:
         >>> result.count, sorted(result.metrics)[:3]
         (20, ['accuracy', 'ensemble_accuracy', 'ensemble_loss'])
     """
-    forward = _member_logits(layout)
+    forward = _member_logits(layout, strategy)
 
     def ensemble_per_example(
         state: TrainState, batch: Mapping[str, jax.Array]

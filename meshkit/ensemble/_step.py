@@ -1,19 +1,19 @@
-"""The ensemble train step: one jit around a shard_map in which every member is a plain network.
+"""The ensemble train step: one jit around a shard_map that trains each device's members.
 
 Inside the ``shard_map`` each device holds ``m = K / E`` members and its rows of the
-batch. The members run one after the other (a Python loop, unrolled at trace time), so
-each forward and backward pass is the ordinary un-batched network: its convolutions
-stay plain convolutions. ``vmap`` over members would turn them into grouped
-convolutions and ``lax.map`` into a loop that XLA's CPU backend runs far slower (see
-the ensembles guide for the measurements). The optimizer update, which is
-element-wise, is vectorised over the local members.
+batch. How the members run is a per-backend choice (``strategy``): batched with
+``vmap`` on GPUs and TPUs, where the grouped convolutions it makes are fast; one after
+the other on CPUs (a Python loop, unrolled at trace time), so each forward and backward
+pass is the ordinary network and its convolutions stay plain convolutions, which
+XLA:CPU runs far faster (see the ensembles guide for the measurements). The optimizer
+update, which is element-wise, is vectorised over the local members either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import flatten_member_metrics
 from meshkit.ensemble._state import num_members_of
+from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
 from meshkit.train import LossOutput, TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -131,25 +132,14 @@ def _member_grads(
     return result, getattr(out, "logits", None)
 
 
-def _stack(trees: list[Any]) -> Any:
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
-
-
-def _member_batch(batch: Batch, index: int, member_batches: bool) -> Batch:
-    return {key: value[:, index] for key, value in batch.items()} if member_batches else batch
-
-
-def _local_member_metrics(results: list[_MemberResult], axes: _Axes) -> jax.Array:
+def _local_member_metrics(results: _MemberResult, axes: _Axes) -> jax.Array:
     """This device's members' metrics and squared gradient norms, in their columns of K.
 
     The other members' columns are zeros, so one ``psum`` over the ensemble axis
     assembles every member's values on every device.
     """
-    rows = [
-        jnp.stack([jnp.asarray(r.metrics[name], jnp.float32) for r in results])
-        for name in results[0].metrics
-    ]
-    rows.append(jnp.stack([optax.tree.norm(r.grads) ** 2 for r in results]))
+    rows = [jnp.asarray(values_M, jnp.float32) for values_M in results.metrics.values()]
+    rows.append(jax.vmap(optax.tree.norm)(results.grads) ** 2)
     local_NxM = jnp.stack(rows)
     first = jax.lax.axis_index(axes.ensemble) * axes.per_device
     zeros_NxK = jnp.zeros((local_NxM.shape[0], axes.num_members), jnp.float32)
@@ -166,38 +156,41 @@ def _ensemble_metrics(probs: jax.Array, labels: jax.Array, axes: _Axes) -> Metri
 
 
 def _body(
-    loss_fn: MemberLossFn, axes: _Axes, member_batches: bool, names: list[str]
+    loss_fn: MemberLossFn,
+    axes: _Axes,
+    member_batches: bool,
+    strategy: Literal["vmap", "loop"],
+    names: list[str],
 ) -> Callable[..., Any]:
     """The per-device step; it records the member metrics' names in ``names`` as it traces.
 
-    Collectives: one ``pmean`` over the data axis (every member's gradients, metrics and
-    batch statistics together), one ``psum`` over the ensemble axis (metrics and
+    The device's members run as ``strategy`` says (``map_members``). Collectives: one
+    ``pmean`` over the data axis (every member's gradients, metrics and batch
+    statistics together), one ``psum`` over the ensemble axis (metrics and
     probabilities together) and, with D > 1, one ``pmean`` of the ensemble metrics.
     """
 
+    def member_step(member: TrainState, batch: Batch) -> tuple[_MemberResult, jax.Array | None]:
+        return _member_grads(loss_fn, member, batch, axes)
+
     def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array, Metrics]:
-        results, logits = [], []
-        for index in range(axes.per_device):  # unrolled: plain networks, one after the other
-            member = jax.tree.map(lambda leaf, i=index: leaf[i], state)
-            result, member_logits = _member_grads(
-                loss_fn, member, _member_batch(batch, index, member_batches), axes
-            )
-            results.append(result)
-            logits.append(member_logits)
+        batch_axis = 1 if member_batches else None  # [rows, members, ...] or shared
+        results, logits_MxBxC = map_members(
+            member_step, strategy, axes.per_device, state, dict(batch), in_axes=(0, batch_axis)
+        )
         if axes.data is not None:
             results = _pmean_floats(results, axes.data)
-        grads = _stack([r.grads for r in results])
-        collections = _stack([r.collections for r in results]) if results[0].collections else None
-        state = jax.vmap(lambda s, g, c: s.apply_gradients(g, c))(state, grads, collections)
-        names[:] = list(results[0].metrics)
-        with_probs = not member_batches and "label" in batch
-        with_probs = with_probs and all(x is not None for x in logits)
-        probs_sum = sum(jax.nn.softmax(x) for x in logits if x is not None) if with_probs else 0
+        collections = results.collections or None
+        state = jax.vmap(lambda s, g, c: s.apply_gradients(g, c))(state, results.grads, collections)
+        names[:] = list(results.metrics)
+        if member_batches or "label" not in batch:
+            logits_MxBxC = None  # members on different rows: no ensemble prediction
+        probs_sum = 0 if logits_MxBxC is None else jax.nn.softmax(logits_MxBxC).sum(0)
         member_NxK, probs_sum = jax.lax.psum(
             (_local_member_metrics(results, axes), jnp.asarray(probs_sum)), axes.ensemble
         )
         ensemble_metrics: Metrics = {}
-        if with_probs:
+        if logits_MxBxC is not None:
             ensemble_metrics = _ensemble_metrics(probs_sum / axes.num_members, batch["label"], axes)
         return state, member_NxK, ensemble_metrics
 
@@ -253,6 +246,7 @@ def make_ensemble_step(
     member_batches: bool = False,
     member_metrics: bool = True,
     donate: bool = True,
+    strategy: MemberStrategy = "auto",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """A jitted ``step(state, batch) -> (state, metrics)`` training all K members at once.
 
@@ -260,7 +254,8 @@ def make_ensemble_step(
     ``create_ensemble_state``) keeps ``P('ensemble')`` on its member axis, the batch
     arrives split over ``data`` and replicated over ``ensemble``, and the metrics come
     back replicated. The input state is donated by default. Inside, a ``shard_map`` runs each
-    device's members one after the other on its rows of the batch; each member's
+    device's members (batched or one after the other: ``strategy``) on its rows of the
+    batch; each member's
     gradient is averaged over the data axis (``pmean``) and its optimizer update
     applied. Members never mix: a member's parameters only ever see its own gradient.
 
@@ -288,13 +283,18 @@ def make_ensemble_step(
         the ``pmap`` seed. ``True``: batches from ``MemberTrainPipeline``, whose fields
         are ``[rows, K, ...]``, give each member its own data order.
       member_metrics: report the ``member_<i>/...`` scalars (default). Each is one
-        more output of the step, which costs a little host time per step; ``False``
+        more output of the step; ``meshkit.train.fit`` sums them on the device with
+        the rest, but a loop of your own that reads them pays per scalar. ``False``
         keeps only the ensemble-wide metrics.
       donate: donate the input state, so the new state reuses its buffers (the
         default, as ``meshkit.train.make_train_step``; rebind ``state`` after every
         call). ``False`` keeps two copies of the state alive during a step but lets
         XLA's CPU backend skip the copy of every parameter it inserts before updating
         a donated buffer in place (measured in the ensembles guide).
+      strategy: how each device runs its members: ``"vmap"`` (batched, one program;
+        fast on GPUs and TPUs), ``"loop"`` (one after the other as plain networks;
+        fast on CPUs) or ``"auto"`` (the default: by the devices' platform). Both
+        train the same members, to float rounding (tested against each other).
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -312,6 +312,7 @@ def make_ensemble_step(
         >>> ensemble.per_member(meshkit.to_host(metrics), "accuracy").shape
         (2,)
     """
+    resolved = resolve_strategy(strategy, layout)
     axes = _Axes(
         ensemble=layout.ensemble_axis,
         data=layout.data_axis if layout.has_data_axis else None,
@@ -327,7 +328,7 @@ def make_ensemble_step(
         _check_inputs(state, batch, layout, member_batches)
         names: list[str] = []  # filled while the shard_map traces its body
         mapped = jax.shard_map(
-            _body(loss_fn, axes, member_batches, names),
+            _body(loss_fn, axes, member_batches, resolved, names),
             mesh=layout.mesh,
             in_specs=(layout.member_spec, batch_spec),
             out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
