@@ -156,16 +156,23 @@ def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+def poisoned_setup(bad):
+    """``setup`` with a loss that is NaN at the steps where ``bad(state.step)`` holds."""
+
     def poisoned(params, state, batch, rng):
         loss, out = train.classification_loss(params, state, batch, rng)
-        return jnp.where(state.step >= 14, jnp.nan, loss), out
+        return jnp.where(bad(state.step), jnp.nan, loss), out
 
     mesh = meshkit.make_mesh("data=-1")
     state, _, pipeline = setup(mesh)
     step = train.make_train_step(
         poisoned, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
     )
+    return state, step, pipeline
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    state, step, pipeline = poisoned_setup(lambda step: step >= 14)  # step 15 on
     with pytest.raises(train.NonFiniteLossError) as info:
         train.fit(
             state,
@@ -213,15 +220,7 @@ def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
 def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, checkpoint_every):
     """Step 15 goes bad inside the interval 11-20: found before any later save."""
 
-    def poisoned(params, state, batch, rng):
-        loss, out = train.classification_loss(params, state, batch, rng)
-        return jnp.where(state.step == 14, jnp.nan, loss), out  # the 15th step only
-
-    mesh = meshkit.make_mesh("data=-1")
-    state, _, pipeline = setup(mesh)
-    step = train.make_train_step(
-        poisoned, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
-    )
+    state, step, pipeline = poisoned_setup(lambda step: step == 14)  # the 15th step only
     with pytest.raises(train.NonFiniteLossError, match="at step 15") as info:
         train.fit(
             state,
