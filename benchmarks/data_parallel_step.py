@@ -1,4 +1,4 @@
-"""Seed 001's data-parallel CIFAR step: its pmap program vs meshkit's sharded jit.
+"""A cluster wiki's data-parallel CIFAR step: its pmap program vs meshkit's sharded jit.
 
     python -m benchmarks data_parallel_step        # or: nox -s bench
 
@@ -151,16 +151,16 @@ def main() -> None:
         float(metrics["loss"])
 
     candidates = {
-        "seed 001 pmap + pmean": run_pmap,
+        "wiki pmap + pmean": run_pmap,
         "hand-written jax.jit": run_hand_written,
         "meshkit make_train_step": run_meshkit,
     }
     timings = interleave(candidates, rounds=ROUNDS)
     result = report(
-        f"data-parallel step, seed 001 CIFAR net, batch {BATCH}, {n} devices, "
+        f"data-parallel step, the cluster wiki's CIFAR net, batch {BATCH}, {n} devices, "
         f"{ROUNDS} rounds interleaved",
         timings,
-        baseline="seed 001 pmap + pmean",
+        baseline="wiki pmap + pmean",
     )
     base, hand, mine = (timings[name] for name in candidates)
     result["median_ratio_meshkit_over_pmap"] = mine.median / base.median

@@ -1,4 +1,4 @@
-"""Seed 000's ensemble: its pmap program vs meshkit.ensemble on several meshes.
+"""The Flax ensembling HOWTO: its pmap program vs meshkit.ensemble on several meshes.
 
     python -m benchmarks.ensemble                  # or: python -m benchmarks ensemble
     python -m benchmarks.ensemble --alternatives   # also the layouts meshkit rejected
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     candidates = {
-        "seed 000 pmap, K=8": seed_candidate(images, labels),
+        "HOWTO pmap, K=8": seed_candidate(images, labels),
         "meshkit K=8, ensemble=8": meshkit_candidate("ensemble=8", 8, images, labels),
         "meshkit K=16, ensemble=8": meshkit_candidate("ensemble=8", 16, images, labels),
         "meshkit K=8, ensemble=8, donate=False": meshkit_candidate(
@@ -362,10 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     for timing in timings.values():  # seconds per call -> seconds per step
         timing.seconds = [seconds / STEPS_PER_CALL for seconds in timing.seconds]
     result = report(
-        f"ensemble step, seed 000's MNIST CNN, batch {batch_size}, {n} devices, "
+        f"ensemble step, the Flax ensembling HOWTO's MNIST CNN, batch {batch_size}, {n} devices, "
         f"{args.rounds} rounds of {STEPS_PER_CALL} steps interleaved",
         timings,
-        baseline="seed 000 pmap, K=8",
+        baseline="HOWTO pmap, K=8",
     )
     seed, k8, k16, k8_kept = (timings[name] for name in list(candidates)[:4])
     result["median_ratio_meshkit_k8_over_pmap"] = k8.median / seed.median

@@ -7,7 +7,8 @@ batches and 40 left over) and a synthetic set of 10,000 32×32×3 images (batch 
 39 full batches and 16 left over), two candidates run interleaved:
 
 - drop remainder: the full batches only, sharded, one jitted step per batch, the
-  correct-count summed on the devices (what seed 004 warns against: it skips examples);
+  correct-count summed on the devices (what the Flax full-evaluation notebook warns
+  against: it skips examples);
 - full_eval: every example, the last batch padded and masked.
 
 Reported: time per *real* example counted, and the ratio of totals.
@@ -85,7 +86,12 @@ def main() -> None:
     results = {
         "digits": case("digits test split, NormCNN", NormCNN(), digits, 64, mesh=mesh, rounds=20),
         "synthetic": case(
-            "synthetic 32x32x3, seed 001 net", CifarNet(), synthetic, 256, mesh=mesh, rounds=4
+            "synthetic 32x32x3, the cluster wiki's CIFAR net",
+            CifarNet(),
+            synthetic,
+            256,
+            mesh=mesh,
+            rounds=4,
         ),
     }
     save("full_eval", results)

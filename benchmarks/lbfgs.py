@@ -1,4 +1,4 @@
-"""Seed 002's L-BFGS: the seed's jaxopt loop, ported, against meshkit.lbfgs on 8 devices.
+"""The JAXopt L-BFGS notebook: its jaxopt loop, ported, against meshkit.lbfgs on 8 devices.
 
     python -m benchmarks.lbfgs        # or: python -m benchmarks lbfgs
 
@@ -6,7 +6,7 @@ On 8 fake CPU devices (mesh ``data=8``) and the seed's data (``make_classificati
 50,000 × 784, 10 classes, 50 informative, ``random_state=0``), from zero weights to a
 gradient norm of at most 1e-3 (jaxopt's default ``tol``), interleaved A B, B A, ...:
 
-- seed 002's program with the smallest change that runs today: ``jaxopt.LBFGS(fun=
+- the JAXopt notebook's program with the smallest change that runs today: ``jaxopt.LBFGS(fun=
   multiclass_logreg, stepsize=0.0, linesearch="zoom")``, ``update`` under ``jax.jit``
   with the data on ``P('data')`` (the seed's ``pjit``), the state from ``init_state``,
   and the notebook's Python loop that blocks on every step and reads ``state.error``
@@ -79,7 +79,7 @@ def reset_peak_rss() -> bool:
 
 
 class SeedLoop:
-    """Seed 002's ``fit`` loop, ported: jit instead of the removed pjit, P('data') data."""
+    """The notebook's ``fit`` loop, ported: jit instead of the removed pjit, P('data') data."""
 
     def __init__(self, data: tuple[jax.Array, jax.Array]):
         self.data = data
@@ -218,7 +218,7 @@ def main() -> None:
             "compiles": log.count(),
         }
     candidates = {
-        "seed 002 jaxopt loop (ported)": seed_loop,
+        "notebook jaxopt loop (ported)": seed_loop,
         "meshkit.lbfgs solve": run_meshkit,
         "meshkit, m=10 c2=0.9 (jaxopt's)": run_like_jaxopt,
     }
@@ -227,7 +227,7 @@ def main() -> None:
         f"L-BFGS to ||g|| <= {TOL}: {ROWS:,} x {FEATURES} x {CLASSES}, "
         f"{jax.device_count()} devices, {ROUNDS} rounds interleaved (compile excluded)"
     )
-    result = report(title, timings, baseline="seed 002 jaxopt loop (ported)")
+    result = report(title, timings, baseline="notebook jaxopt loop (ported)")
     base, mine, alike = (timings[name] for name in candidates)
     ours, theirs = solutions["meshkit"], solutions["like_jaxopt"]
     reference, scipy_s = scipy_reference(x, y)

@@ -11,7 +11,7 @@ import jax
 
 
 class MnistCNN(nn.Module):
-    """Seed 000's MNIST CNN (Flax's MNIST example): two 3×3 convolutions and two dense layers.
+    """The Flax ensembling HOWTO's MNIST CNN: two 3×3 convolutions, two dense layers.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -35,7 +35,7 @@ class MnistCNN(nn.Module):
 
 
 class CifarNet(nn.Module):
-    """Seed 001's LeNet-style CIFAR-10 net: two 5×5 convolutions, max pooling, three dense layers.
+    """A cluster wiki's LeNet-style CIFAR-10 net: two 5×5 convolutions, pooling, three dense layers.
 
     As in the seed, convolutions pad to keep their size and pooling uses Flax's default
     stride of 1, so the first dense layer sees 30×30×16 features.
@@ -62,7 +62,7 @@ class CifarNet(nn.Module):
 
 class NormCNN(nn.Module):
     """A small CNN with batch norm and dropout: mutable ``batch_stats`` and a dropout RNG,
-    the train state of seed 003.
+    the train state of the "JAX — now and future" talk.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -1,7 +1,7 @@
-"""Data-parallel training as sharded jit: seed 001's program (and seed 000's MNIST CNN), resumable.
+"""Data-parallel training as sharded jit: a cluster wiki's Flax program, resumable.
 
-Command (no arguments: seed 000's MNIST CNN on the embedded digits, resized to 28×28, on
-8 fake CPU devices, mesh ``data=-1``)::
+Command (no arguments: the Flax ensembling HOWTO's MNIST CNN on the embedded digits,
+resized to 28×28, on 8 fake CPU devices, mesh ``data=-1``)::
 
     python -m recipes.data_parallel
 
@@ -13,7 +13,7 @@ JSON summary (also written to ``<workdir>/summary.json``) with a test accuracy a
 
 Other runs::
 
-    python -m recipes.data_parallel --model cifar_net            # seed 001's net, 32×32×3 digits
+    python -m recipes.data_parallel --model cifar_net            # the wiki's net, 32×32×3
     python -m recipes.data_parallel --dataset cifar10 --model cifar_net --data-dir ~/cifar
     python -m recipes.data_parallel --dataset mnist --data-dir ~/mnist --steps 2000
     python -m recipes.data_parallel --mesh data=4,model=2 --rules fsdp

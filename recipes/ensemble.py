@@ -1,6 +1,6 @@
-"""Seed 000's ensemble: K MNIST CNNs trained side by side on an ``ensemble`` mesh axis.
+"""The Flax ensembling HOWTO: K MNIST CNNs trained side by side on an ``ensemble`` mesh axis.
 
-Command (no arguments: 8 members of seed 000's MNIST CNN on the embedded digits,
+Command (no arguments: 8 members of the Flax ensembling HOWTO's MNIST CNN on the embedded digits,
 resized to 28×28, on 8 fake CPU devices; the mesh is ``ensemble=8``, one member per
 device, the seed's layout)::
 

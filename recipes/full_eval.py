@@ -1,4 +1,4 @@
-"""Seed 004's full-eval comparison on the digits test split: which evaluation counts every example?
+"""The Flax full-evaluation notebook's question on the digits: which evaluation counts all?
 
 Command (no arguments: trains a small CNN on the digits for 150 steps, then evaluates
 the 360 test digits four ways with a global batch of 64, on 8 fake CPU devices)::

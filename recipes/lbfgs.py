@@ -1,4 +1,4 @@
-"""Seed 002 reproduced: full-batch L-BFGS on sharded data, against a single device.
+"""The JAXopt distributed L-BFGS notebook: full-batch L-BFGS on sharded data vs one device.
 
 Command (no arguments: the seed's multiclass logistic regression on
 ``make_classification(n_samples=50000, n_features=784, n_classes=10, n_informative=50,

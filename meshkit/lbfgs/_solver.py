@@ -43,7 +43,7 @@ class LBFGS:
 
     The defaults ``history_size=20, c2=0.5`` differ from the usual ``10`` and ``0.9``
     (scipy, jaxopt): a longer memory and a more exact line search took about 13%
-    fewer iterations on seed 002's kind of problem, for about 40% more evaluations
+    fewer iterations on the JAXopt notebook's kind of problem, for about 40% more evaluations
     per iteration than ``c2=0.9`` (still fewer than jaxopt's). ``history_size=10,
     c2=0.9`` spends the fewest evaluations per iteration.
 
