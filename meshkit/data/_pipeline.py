@@ -104,16 +104,18 @@ class _Pipeline:
         """
         if self.num_threads or self.worker_count:
             return iter(self.dataset(start_step))
+        return map(self.local_batch, self._steps(start_step))
+
+    def _steps(self, start_step: int) -> range:
+        """Steps ``start_step`` to the end (or practically forever, for endless training)."""
         stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
         if not 0 <= start_step <= stop:
             raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
-        return map(self.local_batch, range(start_step, stop))
+        return range(start_step, stop)
 
-    def _batches(self, start_step: int, stop: int) -> grain.IterDataset:
-        """Batches ``start_step .. stop - 1``, built ahead by threads (or worker processes)."""
-        if not 0 <= start_step <= stop:
-            raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
-        batches = grain.MapDataset.range(start_step, stop).map(self.local_batch)
+    def _batches(self, steps: range) -> grain.IterDataset:
+        """The batches of ``steps``, built ahead by threads (or worker processes)."""
+        batches = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
         prefetch = self.prefetch if self.num_threads else 0
         read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
         iterable = batches.to_iter_dataset(read)
@@ -240,8 +242,7 @@ class TrainPipeline(_Pipeline):
         that nobody parsed are marked as parsed, which Grain's workers need). On small
         machines threads are usually faster.
         """
-        stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
-        return self._batches(start_step, stop)
+        return self._batches(self._steps(start_step))
 
     def state_fields(self) -> dict[str, Any]:
         """What a checkpoint must match to resume this pipeline."""
@@ -310,15 +311,14 @@ class EvalPipeline(_Pipeline):
         """This process's rows of global batch ``step``, with ``mask`` and ``index``."""
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
-        fast = self.transform is None and getattr(self.source, "getitems", None) is not None
-        if self.transform is None and valid.all():
-            batch = _fetch(self.source, positions)
-        elif fast and valid.any():  # the real rows in one read, then zero rows
-            real = _fetch(self.source, positions[valid])
-            batch = {
-                key: np.concatenate([value, np.zeros_like(value[:1]).repeat((~valid).sum(), 0)])
-                for key, value in real.items()
-            }
+        if self.transform is None and valid.any():  # the real rows in one read
+            batch = _fetch(self.source, positions[valid])
+            missing = int((~valid).sum())
+            if missing:  # zero rows after the real ones (the real rows come first)
+                batch = {
+                    key: np.concatenate([value, np.zeros((missing, *value.shape[1:]), value.dtype)])
+                    for key, value in batch.items()
+                }
         else:
             padding = {key: np.zeros_like(value) for key, value in self._template.items()}
             batch = stack_records(
@@ -333,8 +333,7 @@ class EvalPipeline(_Pipeline):
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's padded batches, ``num_steps`` of them."""
-        assert self.num_steps is not None
-        return self._batches(start_step, self.num_steps)
+        return self._batches(self._steps(start_step))
 
     def state_fields(self) -> dict[str, Any]:
         """What a checkpoint must match to resume this pipeline."""

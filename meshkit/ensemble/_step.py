@@ -253,11 +253,11 @@ def make_ensemble_step(
     Shardings are stated at the jit boundary: the ensemble state (from
     ``create_ensemble_state``) keeps ``P('ensemble')`` on its member axis, the batch
     arrives split over ``data`` and replicated over ``ensemble``, and the metrics come
-    back replicated. The input state is donated by default. Inside, a ``shard_map`` runs each
-    device's members (batched or one after the other: ``strategy``) on its rows of the
-    batch; each member's
-    gradient is averaged over the data axis (``pmean``) and its optimizer update
-    applied. Members never mix: a member's parameters only ever see its own gradient.
+    back replicated. The input state is donated by default. Inside, a ``shard_map`` runs
+    each device's members (batched or one after the other: ``strategy``) on its rows of
+    the batch; each member's gradient is averaged over the data axis (``pmean``) and its
+    optimizer update applied. Members never mix: a member's parameters only ever see
+    its own gradient.
 
     Batch statistics (``batch_stats``) are computed per device over its rows, like a
     ``pmap``'d BatchNorm without ``axis_name``, and the updated running averages are

@@ -85,10 +85,9 @@ def full_eval(
     shape and compiles once for any dataset size, the last partial batch included.
     Every process runs the same number of steps, known up front from the example
     count, with no host synchronisation per step (a bounded number of steps queued:
-    ``default_max_in_flight``). Metrics are
-    masked sums and counts reduced inside jit (``where``-masked, so a NaN computed on
-    a padded row cannot leak) and divided once at the end; the count is checked
-    against the dataset's size.
+    ``default_max_in_flight``). Metrics are masked sums and counts reduced inside jit
+    (``where``-masked, so a NaN computed on a padded row cannot leak) and divided once
+    at the end; the count is checked against the dataset's size.
 
     Args:
       per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``. The

@@ -19,6 +19,7 @@ from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
 from meshkit.evaluate import full_eval
 from meshkit.train._checkpoint import Checkpointer, PreemptionWatcher, abstract_like
 from meshkit.train._interval import (
+    WATCHED,
     Interval,
     IntervalRead,
     MetricLayout,
@@ -81,9 +82,7 @@ class _Log:
         if read.first_bad_step is not None:
             latest = self.checkpointer.latest_step()
             kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none"
-            watched = {
-                name: read.means[name] for name in ("loss", "grad_norm") if name in read.means
-            }
+            watched = {name: read.means[name] for name in WATCHED if name in read.means}
             raise NonFiniteLossError(
                 f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
                 f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
