@@ -15,11 +15,11 @@ from meshkit.lbfgs._data import classification_data as classification_data
 from meshkit.lbfgs._data import shard_dataset as shard_dataset
 from meshkit.lbfgs._lbfgs import LBFGSState as LBFGSState
 from meshkit.lbfgs._objective import L2Mask as L2Mask
-from meshkit.lbfgs._objective import LossFn as LossFn
+from meshkit.lbfgs._objective import PerExampleLoss as PerExampleLoss
 from meshkit.lbfgs._objective import l2_except as l2_except
 from meshkit.lbfgs._objective import linear_params as linear_params
 from meshkit.lbfgs._objective import multiclass_logreg as multiclass_logreg
+from meshkit.lbfgs._solution import LBFGSError as LBFGSError
 from meshkit.lbfgs._solution import Solution as Solution
 from meshkit.lbfgs._solver import LBFGS as LBFGS
-from meshkit.lbfgs._status import LBFGSError as LBFGSError
 from meshkit.lbfgs._status import Status as Status

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from meshkit.lbfgs._linesearch import LineSearchResult, zoom_linesearch
 from meshkit.lbfgs._objective import ValueAndGrad
 from meshkit.lbfgs._status import Status
-from meshkit.lbfgs._tree import tree_axpy, tree_norm, tree_scale, tree_vdot
 
 
 class LBFGSState(NamedTuple):
@@ -83,7 +83,7 @@ def _code(status: Status) -> jax.Array:
 def init(value_and_grad: ValueAndGrad, params: Any, options: Options) -> LBFGSState:
     """Evaluates the objective at ``params`` and returns the state before the first step."""
     value, grad = value_and_grad(params)
-    norm = tree_norm(grad)
+    norm = optax.tree.norm(grad)
     m = options.history_size
     empty = jax.tree.map(lambda leaf: jnp.zeros((m, *leaf.shape), leaf.dtype), params)
     status = jnp.where(
@@ -110,42 +110,71 @@ def init(value_and_grad: ValueAndGrad, params: Any, options: Options) -> LBFGSSt
     )
 
 
-def _pair(history: Any, slot: jax.Array) -> Any:
-    return jax.tree.map(lambda leaf: leaf[slot], history)
+def _history_dot(a: Any, b: Any) -> jax.Array:
+    """``a_i · b_j`` for every pair of rows of two stacked pytrees (leaves ``[k, ...]``)."""
+    products = [
+        jnp.tensordot(x, y, axes=(tuple(range(1, x.ndim)), tuple(range(1, y.ndim))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
+    return sum(products[1:], start=products[0])
+
+
+def _history_projection(history: Any, vector: Any) -> jax.Array:
+    """``h_i · vector`` for every row ``h_i`` of a stacked pytree, as ``[k]``."""
+    products = [
+        jnp.tensordot(h, v, axes=v.ndim)
+        for h, v in zip(jax.tree.leaves(history), jax.tree.leaves(vector), strict=True)
+    ]
+    return sum(products[1:], start=products[0])
+
+
+def _history_combination(history: Any, weights: jax.Array) -> Any:
+    """``sum_i weights_i h_i`` over the rows of a stacked pytree."""
+    return jax.tree.map(lambda h: jnp.tensordot(weights.astype(h.dtype), h, axes=1), history)
 
 
 def inverse_hessian_product(state: LBFGSState, vector: Any) -> Any:
-    """``H @ vector`` for the L-BFGS inverse-Hessian estimate (the two-loop recursion)."""
+    """``H @ vector`` for the L-BFGS inverse-Hessian estimate, in the compact form.
+
+    Byrd, Nocedal and Schnabel (1994): with the pairs as matrices ``S`` and ``Y``
+    (oldest first), ``R`` the upper triangle of ``Sᵀ Y``, ``D`` its diagonal and
+    ``γ = sᵀy / yᵀy`` of the newest pair, ``H v = γ v + S R⁻ᵀ ((D + γ YᵀY) p - γ Yᵀv)
+    - γ Y p`` with ``p = R⁻¹ Sᵀv``. The history enters through four products of its
+    stacked rows and two combinations; the rest is ``m × m`` algebra. The two-loop
+    recursion gives the same vector with ``4 m`` dependent dot products.
+    """
     m = state.rho_history.shape[0]
-    ages = jnp.arange(m)  # 0 is the newest pair
-    slots = (state.newest - ages) % m
-    valid = ages < state.num_pairs
-
-    def newest_first(q: Any, age: jax.Array) -> tuple[Any, jax.Array]:
-        slot = slots[age]
-        alpha = jnp.where(
-            valid[age], state.rho_history[slot] * tree_vdot(_pair(state.s_history, slot), q), 0
-        )
-        return tree_axpy(-alpha, _pair(state.y_history, slot), q), alpha
-
-    q, alphas = jax.lax.scan(newest_first, vector, ages)
-    s, y = _pair(state.s_history, state.newest), _pair(state.y_history, state.newest)
-    gamma = jnp.where(state.num_pairs > 0, tree_vdot(s, y) / tree_vdot(y, y), 1.0)
-
-    def oldest_first(r: Any, age: jax.Array) -> tuple[Any, None]:
-        slot = slots[age]
-        beta = jnp.where(
-            valid[age], state.rho_history[slot] * tree_vdot(_pair(state.y_history, slot), r), 0
-        )
-        return tree_axpy(alphas[age] - beta, _pair(state.s_history, slot), r), None
-
-    r, _ = jax.lax.scan(oldest_first, tree_scale(gamma, q), ages[::-1])
-    return r
+    # Position i (oldest first) of the ring buffer, and which positions hold a pair.
+    slots = (state.newest + 1 + jnp.arange(m)) % m
+    valid = jnp.arange(m) >= m - state.num_pairs
+    both = valid[:, None] & valid[None, :]
+    sy = _history_dot(state.s_history, state.y_history)[slots][:, slots]
+    yy = _history_dot(state.y_history, state.y_history)[slots][:, slots]
+    s_v = jnp.where(valid, _history_projection(state.s_history, vector)[slots], 0)
+    y_v = jnp.where(valid, _history_projection(state.y_history, vector)[slots], 0)
+    newest = m - 1
+    gamma = jnp.where(state.num_pairs > 0, sy[newest, newest] / yy[newest, newest], 1.0)
+    # Empty positions become an identity block, decoupled from the stored pairs.
+    r = jnp.where(both, jnp.triu(sy), jnp.eye(m, dtype=sy.dtype))
+    d = jnp.where(valid, jnp.diagonal(sy), 0)
+    p = jax.scipy.linalg.solve_triangular(r, s_v, lower=False)
+    middle = d * p + gamma * (jnp.where(both, yy, 0) @ p) - gamma * y_v
+    s_weights = jax.scipy.linalg.solve_triangular(r, middle, trans=1, lower=False)
+    # Back from age order to ring-buffer slots.
+    s_weights = jnp.zeros_like(s_weights).at[slots].set(s_weights)
+    y_weights = jnp.zeros_like(p).at[slots].set(-gamma * p)
+    return jax.tree.map(
+        lambda v, s, y: (gamma * v + s + y).astype(v.dtype),
+        vector,
+        _history_combination(state.s_history, s_weights),
+        _history_combination(state.y_history, y_weights),
+    )
 
 
 def _store(history: Any, slot: jax.Array, new: Any, keep: jax.Array) -> Any:
+    """Writes ``new`` into ``slot`` when ``keep``: one row touched, not the whole buffer."""
     return jax.tree.map(
-        lambda h, n: jnp.where(keep, h.at[slot].set(n.astype(h.dtype)), h), history, new
+        lambda h, n: h.at[slot].set(jnp.where(keep, n.astype(h.dtype), h[slot])), history, new
     )
 
 
@@ -172,14 +201,14 @@ def _status(
 
 def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> LBFGSState:
     """One iteration: direction from the two-loop recursion, line search, pair update."""
-    direction = tree_scale(-1.0, inverse_hessian_product(state, state.grad))
-    slope = tree_vdot(state.grad, direction)
+    direction = jax.tree.map(jnp.negative, inverse_hessian_product(state, state.grad))
+    slope = jnp.asarray(optax.tree.vdot(state.grad, direction))
     descent = jnp.isfinite(slope) & (slope < 0)
     # Not a descent direction (rounding in a badly conditioned history): forget the
     # pairs and take steepest descent.
     direction = jax.tree.map(lambda d, g: jnp.where(descent, d, -g), direction, state.grad)
     num_pairs = jnp.where(descent, state.num_pairs, 0)
-    grad_norm = tree_norm(state.grad)
+    grad_norm = optax.tree.norm(state.grad)
     # With pairs, the scaled quasi-Newton step has unit length; without, try a step of
     # unit length in parameter space.
     initial_step = jnp.where(num_pairs > 0, 1.0, 1.0 / grad_norm).astype(state.value.dtype)
@@ -196,12 +225,12 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
     )
     s = jax.tree.map(jnp.subtract, search.params, state.params)
     y = jax.tree.map(jnp.subtract, search.grad, state.grad)
-    sy, yy = tree_vdot(s, y), tree_vdot(y, y)
+    sy, yy = jnp.asarray(optax.tree.vdot(s, y)), jnp.asarray(optax.tree.vdot(y, y))
     keep = search.found & (sy > jnp.finfo(state.value.dtype).eps * yy)
     m = state.rho_history.shape[0]
     slot = (state.newest + 1) % m
     iteration = state.iteration + search.found.astype(jnp.int32)
-    norm = tree_norm(search.grad)
+    norm = optax.tree.norm(search.grad)
     dtype = search.value.dtype
     return LBFGSState(
         params=search.params,
@@ -209,7 +238,7 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
         grad=search.grad,
         s_history=_store(state.s_history, slot, s, keep),
         y_history=_store(state.y_history, slot, y, keep),
-        rho_history=jnp.where(keep, state.rho_history.at[slot].set(1 / sy), state.rho_history),
+        rho_history=_store(state.rho_history, slot, 1 / sy, keep),
         newest=jnp.where(keep, slot, state.newest),
         num_pairs=jnp.where(keep, jnp.minimum(num_pairs + 1, m), num_pairs),
         step_size=jnp.where(search.found, search.step, state.step_size),

@@ -11,9 +11,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from meshkit.lbfgs._objective import ValueAndGrad
-from meshkit.lbfgs._tree import tree_axpy, tree_vdot
+from meshkit.lbfgs._tree import tree_axpy
 
 MIN_SHRINK = 0.1
 """A zoom trial keeps at least this fraction of the bracket's width from either end."""
@@ -117,7 +118,7 @@ def zoom_linesearch(
     ``max_evaluations``, the best point with a sufficient decrease is returned, if
     any (``found`` is false only when there is none).
     """
-    slope0 = tree_vdot(grad, direction)
+    slope0 = jnp.asarray(optax.tree.vdot(grad, direction))
     origin = _Point(jnp.zeros_like(value), value, slope0)
     ulps = 8 * jnp.finfo(value.dtype).eps * jnp.abs(value)
 
@@ -130,7 +131,7 @@ def zoom_linesearch(
 
     def body(s: _Search) -> _Search:
         trial_value, trial_grad = value_and_grad(tree_axpy(s.trial, direction, params))
-        trial = _Point(s.trial, trial_value, tree_vdot(trial_grad, direction))
+        trial = _Point(s.trial, trial_value, jnp.asarray(optax.tree.vdot(trial_grad, direction)))
         finite = jnp.isfinite(trial.value) & jnp.isfinite(trial.slope)
         decrease = (trial.value <= value + c1 * trial.step * slope0) & (trial.value < s.lo.value)
         # Within a few ulps of the start, values can no longer rank points: judge the

@@ -10,12 +10,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from meshkit.lbfgs._data import Dataset
-from meshkit.lbfgs._tree import tree_sum_squares
 
-LossFn = Callable[[Any, Any], jax.Array]
-"""``loss_fn(params, batch) -> losses[rows]``: one loss per example, not their mean."""
+PerExampleLoss = Callable[[Any, Any], jax.Array]
+"""``loss_fn(params, batch) -> losses[rows]``: one loss per example, not their mean.
+
+Not ``meshkit.train.LossFn``, which returns the mean loss and metrics of a training batch.
+"""
 
 L2Mask = Callable[[str, Any], bool]
 """``l2_mask(path, leaf) -> bool``: whether the leaf at ``path`` (``"['b']"``) is penalised."""
@@ -65,7 +68,7 @@ def l2_leaf_mask(params: Any, l2_mask: L2Mask | None) -> Any:
 
 
 def make_objective(
-    loss_fn: LossFn, data: Dataset, l2: jax.Array, l2_mask: L2Mask | None
+    loss_fn: PerExampleLoss, data: Dataset, l2: jax.Array, l2_mask: L2Mask | None
 ) -> ValueAndGrad:
     """``params -> (value, grad)`` of ``mean(loss over real rows) + l2 / 2 * ||params||²``.
 
@@ -89,7 +92,7 @@ def make_objective(
             )
             if keep
         ]
-        return mean + (0.5 * l2 * tree_sum_squares(penalised)).astype(mean.dtype)
+        return mean + (0.5 * l2 * optax.tree.norm(penalised, squared=True)).astype(mean.dtype)
 
     return jax.value_and_grad(objective)
 

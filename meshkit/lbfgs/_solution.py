@@ -1,4 +1,4 @@
-"""What a solve returns: the parameters, how it stopped, and the per-iteration history."""
+"""What a solve returns (parameters, how it stopped, the per-iteration history), and its error."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from meshkit._host import to_host
 from meshkit.lbfgs._lbfgs import LBFGSState
-from meshkit.lbfgs._status import LBFGSError, Status
-from meshkit.lbfgs._tree import tree_norm
+from meshkit.lbfgs._status import Status
 
 
 @jax.tree_util.register_dataclass
@@ -98,12 +98,25 @@ class Solution:
         return {"value": host["value"], "grad_norm": host["grad_norm"]}
 
 
+class LBFGSError(RuntimeError):
+    """A solve with ``throw=True`` ended with a failure status.
+
+    Attributes:
+      solution: the ``Solution`` the solve returned (its ``params`` are the last
+        accepted iterate, so a warm start can continue from them).
+    """
+
+    def __init__(self, message: str, solution: Solution):
+        super().__init__(message)
+        self.solution = solution
+
+
 def solution_of(state: LBFGSState) -> Solution:
     """The ``Solution`` view of a single (not batched) state; traceable."""
     return Solution(
         params=state.params,
         value=state.value,
-        grad_norm=tree_norm(state.grad),
+        grad_norm=optax.tree.norm(state.grad),
         iterations=state.iteration,
         num_evaluations=state.num_evaluations,
         status_code=state.status,

@@ -11,17 +11,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._rules import PartitionRules
 from meshkit.lbfgs import _programs
+from meshkit.lbfgs._checks import (
+    check_dataset,
+    check_loss,
+    check_params,
+    check_setting,
+    check_strength,
+)
 from meshkit.lbfgs._data import Dataset, check_data_axis
 from meshkit.lbfgs._lbfgs import LBFGSState, Options
-from meshkit.lbfgs._objective import L2Mask, LossFn
+from meshkit.lbfgs._objective import L2Mask, PerExampleLoss
 from meshkit.lbfgs._solution import Solution, raise_if_failed
-
-
-def _check_number(name: str, value: Any, *, low: float, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value >= low:
-        expected = "an int" if integer else "a number"
-        raise ValueError(f"LBFGS {name} must be {expected} >= {low}, got {value!r}.")
 
 
 def _put_host(leaf: Any, sharding: NamedSharding) -> jax.Array:
@@ -82,7 +82,7 @@ class LBFGS:
         ('GRADIENT_TOLERANCE', [1.0, -2.0, 0.5])
     """
 
-    loss_fn: LossFn
+    loss_fn: PerExampleLoss
     mesh: Mesh
     _: dataclasses.KW_ONLY
     tol: float = 1e-3
@@ -103,11 +103,11 @@ class LBFGS:
                 f"losses, got {type(self.loss_fn).__name__}: {self.loss_fn!r}."
             )
         check_data_axis(self.mesh, self.data_axis, where="LBFGS")
-        _check_number("tol", self.tol, low=0)
-        _check_number("rtol", self.rtol, low=0)
-        _check_number("max_steps", self.max_steps, low=1, integer=True)
-        _check_number("history_size", self.history_size, low=1, integer=True)
-        _check_number("max_linesearch_steps", self.max_linesearch_steps, low=1, integer=True)
+        check_setting("tol", self.tol, low=0)
+        check_setting("rtol", self.rtol, low=0)
+        check_setting("max_steps", self.max_steps, low=1, integer=True)
+        check_setting("history_size", self.history_size, low=1, integer=True)
+        check_setting("max_linesearch_steps", self.max_linesearch_steps, low=1, integer=True)
         if not 0 < self.c1 < self.c2 < 1:
             raise ValueError(
                 f"LBFGS needs 0 < c1 < c2 < 1 for the Wolfe conditions, got c1={self.c1}, "
@@ -123,51 +123,46 @@ class LBFGS:
     def options(self) -> Options:
         """The settings the iteration itself reads."""
         return Options(
-            tol=self.tol,
-            rtol=self.rtol,
-            max_steps=self.max_steps,
-            history_size=self.history_size,
-            max_linesearch_steps=self.max_linesearch_steps,
-            c1=self.c1,
-            c2=self.c2,
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(Options)}
+        )
+
+    @property
+    def _settings(self) -> _programs.Settings:
+        return _programs.Settings(
+            loss_fn=self.loss_fn,
+            mesh=self.mesh,
+            data_axis=self.data_axis,
+            l2_mask=self.l2_mask,
+            param_rules=self.param_rules,
+            options=self.options,
         )
 
     # ---- placement and checks (on the host, before any tracing) ----
 
     def _programs(self) -> _programs.Programs:
-        return _programs.programs(self)
+        return _programs.programs(self._settings)
 
     def _strength(self, l2: Any, *, batched: bool = False) -> jax.Array:
-        value = np.asarray(l2, np.float32)
-        if (value.ndim != 1 or value.size == 0) if batched else value.ndim != 0:
-            expected, fix = (
-                ("a 1-D array of strengths", "For one strength use solve.")
-                if batched
-                else ("a scalar", "For a grid of strengths use solve_many.")
-            )
-            raise ValueError(f"l2 must be {expected}, got shape {value.shape}. {fix}")
-        if not np.all(np.isfinite(value)) or np.any(value < 0):
-            raise ValueError(f"l2 must be finite and >= 0, got {value}.")
+        value = check_strength(l2, batched=batched)
         return _put_host(value, NamedSharding(self.mesh, PartitionSpec()))
 
     def _check(self, params: Any, data: Any) -> Dataset:
-        if not isinstance(data, Dataset):
-            raise TypeError(
-                f"LBFGS expects a meshkit.lbfgs.Dataset, got {type(data).__name__}. Pad and "
-                "shard the arrays first: lbfgs.shard_dataset({'x': x, 'y': y}, mesh) or "
-                "lbfgs.classification_data(x, y, mesh)."
-            )
-        sharding = getattr(data.mask, "sharding", None)
-        expected = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
-        if not isinstance(sharding, NamedSharding) or not sharding.is_equivalent_to(expected, 1):
-            raise ValueError(
-                f"The dataset is sharded as {sharding}, but this solver expects rows split "
-                f"over {self.data_axis!r} of its mesh {dict(self.mesh.shape)}. Build the "
-                "dataset with the solver's mesh: shard_dataset(arrays, solver.mesh)."
-            )
-        _programs.check_params(params)
-        _programs.check_loss(self, params, data)
+        data = check_dataset(data, self.mesh, self.data_axis)
+        check_params(params)
+        check_loss(self.loss_fn, params, data)
         return data
+
+    def _place(self, params: Any) -> Any:
+        shardings = _programs.param_shardings(self._settings, params)
+
+        def put(leaf: Any, sharding: NamedSharding) -> jax.Array:
+            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+                return leaf
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
+            return _put_host(leaf, sharding)
+
+        return jax.tree.map(put, params, shardings)
 
     def place_params(self, params: Any) -> Any:
         """Puts host parameters on the mesh (replicated, or as ``param_rules`` say).
@@ -185,17 +180,8 @@ class LBFGS:
             >>> solver.place_params(start).sharding.is_fully_replicated
             True
         """
-        _programs.check_params(params)
-        shardings = _programs.param_shardings(self, params)
-
-        def put(leaf: Any, sharding: NamedSharding) -> jax.Array:
-            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
-                return leaf
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
-            return _put_host(leaf, sharding)
-
-        return jax.tree.map(put, params, shardings)
+        check_params(params)
+        return self._place(params)
 
     def load_state(self, tree: Any) -> LBFGSState:
         """Puts a saved state (host arrays, e.g. from ``np.load`` or Orbax) back on the mesh.
@@ -225,7 +211,7 @@ class LBFGS:
                 f"{self.max_steps} and history_size={self.history_size}. Load it with a "
                 "solver built with the same settings."
             )
-        return jax.tree.map(_put_host, tree, _programs.state_shardings(self, tree))
+        return jax.tree.map(_put_host, tree, _programs.state_shardings(self._settings, tree))
 
     # ---- the public steps ----
 
@@ -245,7 +231,7 @@ class LBFGS:
             (0, 0.6931)
         """
         data = self._check(params, data)
-        return self._programs().init(self.place_params(params), data, self._strength(l2))
+        return self._programs().init(self._place(params), data, self._strength(l2))
 
     def step(self, state: LBFGSState, data: Dataset, l2: Any = 0.0) -> LBFGSState:
         """One iteration (one dispatch); a finished state comes back unchanged.
@@ -309,7 +295,7 @@ class LBFGS:
         """
         if num_steps is None:
             num_steps = self.max_steps
-        _check_number("num_steps", num_steps, low=0, integer=True)
+        check_setting("num_steps", num_steps, low=0, integer=True)
         budget = _put_host(
             np.int32(min(num_steps, self.max_steps)), NamedSharding(self.mesh, PartitionSpec())
         )
@@ -362,7 +348,7 @@ class LBFGS:
             ('GRADIENT_TOLERANCE', True)
         """
         data = self._check(params, data)
-        solution = self._programs().solve(self.place_params(params), data, self._strength(l2))
+        solution = self._programs().solve(self._place(params), data, self._strength(l2))
         return raise_if_failed(solution) if throw else solution
 
     def solve_many(self, params: Any, data: Dataset, l2: Any, *, throw: bool = True) -> Solution:
@@ -387,5 +373,5 @@ class LBFGS:
         """
         data = self._check(params, data)
         strengths = self._strength(l2, batched=True)
-        solution = self._programs().solve_many(self.place_params(params), data, strengths)
+        solution = self._programs().solve_many(self._place(params), data, strengths)
         return raise_if_failed(solution) if throw else solution

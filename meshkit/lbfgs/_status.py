@@ -1,12 +1,8 @@
-"""Why an L-BFGS solve stopped: a status enum with readable messages, and its error."""
+"""Why an L-BFGS solve stopped: a status enum with readable messages."""
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from meshkit.lbfgs._solution import Solution
 
 
 class Status(enum.IntEnum):
@@ -70,16 +66,3 @@ _MESSAGES = {
         "overflow and the data for nan/inf; padded rows are masked and cannot cause this"
     ),
 }
-
-
-class LBFGSError(RuntimeError):
-    """A solve with ``throw=True`` ended with a failure status.
-
-    Attributes:
-      solution: the ``Solution`` the solve returned (its ``params`` are the last
-        accepted iterate, so a warm start can continue from them).
-    """
-
-    def __init__(self, message: str, solution: Solution):
-        super().__init__(message)
-        self.solution = solution
