@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._checks import check_int
 
 ENSEMBLE_AXIS = "ensemble"
 DATA_AXIS = "data"
@@ -17,14 +18,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _check_num_members(num_members: object) -> int:
-    if isinstance(num_members, bool) or not isinstance(num_members, int | np.integer):
-        raise TypeError(
-            f"num_members must be an int (the ensemble size K), got "
-            f"{type(num_members).__name__}: {num_members!r}."
-        )
-    if num_members < 1:
-        raise ValueError(f"num_members must be at least 1, got {num_members}.")
-    return int(num_members)
+    return check_int(
+        num_members,
+        name="num_members (the ensemble size K)",
+        minimum=1,
+        fix="An ensemble needs at least 1 member.",
+    )
 
 
 def _check_axes(mesh: Mesh, ensemble_axis: str, data_axis: str) -> None:
@@ -127,6 +126,11 @@ class EnsembleLayout:
     def has_data_axis(self) -> bool:
         """Whether the mesh has the data axis (a mesh without it has D = 1)."""
         return self.data_axis in self.mesh.shape
+
+    @property
+    def batch_axis(self) -> str | None:
+        """The mesh axis batch rows are split over: ``data_axis``, or ``None`` without one."""
+        return self.data_axis if self.has_data_axis else None
 
     @property
     def members_per_device(self) -> int:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import member_metric_name
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
-from meshkit.train import TrainState
+from meshkit.train import TrainState, apply_model
 
 PerExampleFn = Callable[[TrainState, Mapping[str, jax.Array]], dict[str, jax.Array]]
 
@@ -22,11 +22,11 @@ def _member_logits(
     layout: EnsembleLayout, strategy: MemberStrategy
 ) -> Callable[[TrainState, jax.Array], jax.Array]:
     """``(state, inputs) -> logits [K, rows, ...]``: each member in inference mode."""
-    data = layout.data_axis if layout.has_data_axis else None
     resolved = resolve_strategy(strategy, layout)
 
     def member_logits(member: TrainState, inputs: jax.Array) -> jax.Array:
-        return member.apply_fn(member.variables(), inputs, train=False)
+        logits, _ = apply_model(member, inputs)
+        return logits
 
     def body(state: TrainState, inputs: jax.Array) -> jax.Array:
         return map_members(
@@ -37,7 +37,7 @@ def _member_logits(
         body,
         mesh=layout.mesh,
         in_specs=(layout.member_spec, layout.batch_spec),
-        out_specs=PartitionSpec(layout.ensemble_axis, data),
+        out_specs=PartitionSpec(layout.ensemble_axis, layout.batch_axis),
     )
 
 
@@ -72,12 +72,11 @@ def make_predict(
         logits_KxBxC = forward(state, inputs)
         return jax.nn.softmax(logits_KxBxC).mean(axis=0), logits_KxBxC
 
-    data = layout.data_axis if layout.has_data_axis else None
     return jax.jit(
         ensemble_predict,
         out_shardings=(
-            NamedSharding(layout.mesh, PartitionSpec(data)),
-            NamedSharding(layout.mesh, PartitionSpec(layout.ensemble_axis, data)),
+            NamedSharding(layout.mesh, PartitionSpec(layout.batch_axis)),
+            NamedSharding(layout.mesh, PartitionSpec(layout.ensemble_axis, layout.batch_axis)),
         ),
     )
 

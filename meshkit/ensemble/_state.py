@@ -7,13 +7,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
+from meshkit._checks import check_int
+from meshkit._host import replicated_sharding
 from meshkit.ensemble._layout import EnsembleLayout
-from meshkit.train import Model, TrainState
-from meshkit.train._state import init_state_from_key
+from meshkit.train import Model, TrainState, init_state_from_key
 
 
 def member_keys(seed: int, num_members: int) -> jax.Array:
@@ -64,7 +64,6 @@ def abstract_ensemble_state(
         >>> abstract.params["kernel"].shape, abstract.step.shape
         ((4, 5, 3), (4,))
     """
-    _check_tx(tx)
     shapes = jax.eval_shape(lambda: _init_ensemble(model, tx, layout.num_members, seed))
     sharding = layout.state_sharding
     return jax.tree.map(
@@ -94,16 +93,10 @@ def create_ensemble_state(
         >>> kernels.shape, bool(np.allclose(kernels[0], kernels[1]))
         ((4, 5, 3), False)
     """
-    _check_tx(tx)
     return jax.jit(
         lambda: _init_ensemble(model, tx, layout.num_members, seed),
         out_shardings=layout.state_sharding,  # a prefix: every leaf P('ensemble')
     )()
-
-
-def _check_tx(tx: Any) -> None:
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
 
 
 def num_members_of(state: TrainState) -> int:
@@ -140,7 +133,7 @@ def _take_member(mesh: Mesh) -> Any:
         )
 
     # One compile for every index: the index is an argument, not a constant.
-    return jax.jit(take_member, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(take_member, out_shardings=replicated_sharding(mesh))
 
 
 def member_state(state: TrainState, index: int) -> TrainState:
@@ -162,8 +155,8 @@ def member_state(state: TrainState, index: int) -> TrainState:
         ((5, 3), 0)
     """
     num_members = num_members_of(state)
-    valid = isinstance(index, int | np.integer) and not isinstance(index, bool)
-    if not valid or not 0 <= index < num_members:
+    index = check_int(index, name="Member index")
+    if not 0 <= index < num_members:
         raise ValueError(
             f"Member index {index!r} is out of range: the ensemble has {num_members} members, "
             f"numbered 0 to {num_members - 1}."

@@ -11,20 +11,20 @@ update, which is element-wise, is vectorised over the local members either way.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
+from meshkit._host import replicated_sharding
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import flatten_member_metrics
 from meshkit.ensemble._state import num_members_of
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
-from meshkit.train import LossOutput, TrainState
+from meshkit.train import LossOutput, TrainState, apply_model
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -62,9 +62,10 @@ def classification_loss(
 ) -> tuple[jax.Array, MemberOutput]:
     """One member's softmax cross-entropy on ``batch["image"]`` / ``batch["label"]``.
 
-    Like ``meshkit.train.classification_loss`` (training mode: dropout on, batch
-    statistics updated), and also returns the logits, so the ensemble step can average
-    the members' probabilities.
+    Like ``meshkit.train.classification_loss`` (the model applied by
+    ``meshkit.train.apply_model`` in training mode: dropout on, batch statistics
+    updated), and also returns the logits, so the ensemble step can average the
+    members' probabilities.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, meshkit
@@ -76,32 +77,24 @@ def classification_loss(
         >>> out.logits.shape, sorted(out.metrics)
         ((8, 10), ['accuracy'])
     """
-    mutable = list(state.collections) or False
-    out = state.apply_fn(
-        state.variables(params), batch["image"], train=True, rngs={"dropout": rng}, mutable=mutable
-    )
-    logits, collections = out if mutable else (out, {})
+    logits, collections = apply_model(state, batch["image"], params=params, rng=rng)
     labels = batch["label"]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     return loss, MemberOutput(collections, {"accuracy": accuracy}, logits)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Axes:
-    """What the shard_map body needs to know about the layout (hashable, static)."""
-
-    ensemble: str
-    data: str | None  # None: the mesh has no data axis
-    data_size: int
-    num_members: int
-    per_device: int
-
-
 class _MemberResult(NamedTuple):
     grads: Any
     collections: Mapping[str, Any]
     metrics: dict[str, jax.Array]
+
+
+class _MemberScalars(NamedTuple):
+    """Every member's scalars, ``[K]`` each: its metrics by name and its squared grad norm."""
+
+    metrics: Metrics
+    grad_norm_sq: jax.Array
 
 
 def _pmean_floats(tree: Any, axis: str) -> Any:
@@ -115,101 +108,106 @@ def _pmean_floats(tree: Any, axis: str) -> Any:
 
 
 def _member_grads(
-    loss_fn: MemberLossFn, member: TrainState, batch: Batch, axes: _Axes
+    loss_fn: MemberLossFn, member: TrainState, batch: Batch, layout: EnsembleLayout
 ) -> tuple[_MemberResult, jax.Array | None]:
     """One member's loss and gradient on this device's rows (not yet averaged), and logits."""
-    rng = jax.random.fold_in(jax.random.wrap_key_data(member.rng), member.step)
+    rng = member.step_rng()
     params = member.params
-    if axes.data is not None:
-        if axes.data_size > 1:  # each row block draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes.data))
+    if layout.batch_axis is not None:
+        if layout.data_size > 1:  # each row block draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(layout.batch_axis))
         # Differentiate a per-device copy: its gradient is this device's own, which the
         # caller averages with pmean. (The gradient of the replicated params themselves
         # would come back already summed over the data axis.)
-        params = jax.lax.pcast(params, axes.data, to="varying")
+        params = jax.lax.pcast(params, layout.batch_axis, to="varying")
     (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, member, batch, rng)
     result = _MemberResult(grads, dict(out.collections), {"loss": loss, **out.metrics})
     return result, getattr(out, "logits", None)
 
 
-def _local_member_metrics(results: _MemberResult, axes: _Axes) -> jax.Array:
+def _local_member_scalars(results: _MemberResult, layout: EnsembleLayout) -> _MemberScalars:
     """This device's members' metrics and squared gradient norms, in their columns of K.
 
     The other members' columns are zeros, so one ``psum`` over the ensemble axis
     assembles every member's values on every device.
     """
-    rows = [jnp.asarray(values_M, jnp.float32) for values_M in results.metrics.values()]
-    rows.append(jax.vmap(optax.tree.norm)(results.grads) ** 2)
-    local_NxM = jnp.stack(rows)
-    first = jax.lax.axis_index(axes.ensemble) * axes.per_device
-    zeros_NxK = jnp.zeros((local_NxM.shape[0], axes.num_members), jnp.float32)
-    return jax.lax.dynamic_update_slice(zeros_NxK, local_NxM, (0, first))
+    first = jax.lax.axis_index(layout.ensemble_axis) * layout.members_per_device
+
+    def in_member_columns(values_M: jax.Array) -> jax.Array:
+        zeros_K = jnp.zeros(layout.num_members, jnp.float32)
+        return jax.lax.dynamic_update_slice(zeros_K, values_M.astype(jnp.float32), (first,))
+
+    return _MemberScalars(
+        metrics={name: in_member_columns(values) for name, values in results.metrics.items()},
+        grad_norm_sq=in_member_columns(jax.vmap(optax.tree.norm)(results.grads) ** 2),
+    )
 
 
-def _ensemble_metrics(probs: jax.Array, labels: jax.Array, axes: _Axes) -> Metrics:
+def _ensemble_metrics(probs: jax.Array, labels: jax.Array, layout: EnsembleLayout) -> Metrics:
     """The ensemble's loss and accuracy on the batch, from the averaged member probabilities."""
     chosen = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
     loss = -jnp.log(jnp.maximum(chosen, jnp.finfo(probs.dtype).tiny)).mean()
     accuracy = jnp.mean(jnp.argmax(probs, -1) == labels)
     metrics = {"ensemble_loss": loss, "ensemble_accuracy": accuracy}
-    return metrics if axes.data is None else _pmean_floats(metrics, axes.data)
+    return metrics if layout.batch_axis is None else _pmean_floats(metrics, layout.batch_axis)
 
 
 def _body(
     loss_fn: MemberLossFn,
-    axes: _Axes,
+    layout: EnsembleLayout,
     member_batches: bool,
     strategy: Literal["vmap", "loop"],
-    names: list[str],
-) -> Callable[..., Any]:
-    """The per-device step; it records the member metrics' names in ``names`` as it traces.
+) -> Callable[..., tuple[TrainState, _MemberScalars, Metrics]]:
+    """The per-device step: ``(members, batch) -> (members, member scalars, ensemble metrics)``.
 
     The device's members run as ``strategy`` says (``map_members``). Collectives: one
     ``pmean`` over the data axis (every member's gradients, metrics and batch
     statistics together), one ``psum`` over the ensemble axis (metrics and
     probabilities together) and, with D > 1, one ``pmean`` of the ensemble metrics.
     """
+    member_axis_of_batch = 1 if member_batches else None  # [rows, members, ...] or shared
 
     def member_step(member: TrainState, batch: Batch) -> tuple[_MemberResult, jax.Array | None]:
-        return _member_grads(loss_fn, member, batch, axes)
+        return _member_grads(loss_fn, member, batch, layout)
 
-    def body(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array, Metrics]:
-        batch_axis = 1 if member_batches else None  # [rows, members, ...] or shared
+    def body(state: TrainState, batch: Batch) -> tuple[TrainState, _MemberScalars, Metrics]:
         results, logits_MxBxC = map_members(
-            member_step, strategy, axes.per_device, state, dict(batch), in_axes=(0, batch_axis)
+            member_step,
+            strategy,
+            layout.members_per_device,
+            state,
+            dict(batch),
+            in_axes=(0, member_axis_of_batch),
         )
-        if axes.data is not None:
-            results = _pmean_floats(results, axes.data)
+        if layout.batch_axis is not None:
+            results = _pmean_floats(results, layout.batch_axis)
         collections = results.collections or None
         state = jax.vmap(lambda s, g, c: s.apply_gradients(g, c))(state, results.grads, collections)
-        names[:] = list(results.metrics)
         if member_batches or "label" not in batch:
             logits_MxBxC = None  # members on different rows: no ensemble prediction
         probs_sum = 0 if logits_MxBxC is None else jax.nn.softmax(logits_MxBxC).sum(0)
-        member_NxK, probs_sum = jax.lax.psum(
-            (_local_member_metrics(results, axes), jnp.asarray(probs_sum)), axes.ensemble
+        scalars, probs_sum = jax.lax.psum(
+            (_local_member_scalars(results, layout), jnp.asarray(probs_sum)), layout.ensemble_axis
         )
         ensemble_metrics: Metrics = {}
         if logits_MxBxC is not None:
-            ensemble_metrics = _ensemble_metrics(probs_sum / axes.num_members, batch["label"], axes)
-        return state, member_NxK, ensemble_metrics
+            probs = probs_sum / layout.num_members
+            ensemble_metrics = _ensemble_metrics(probs, batch["label"], layout)
+        return state, scalars, ensemble_metrics
 
     return body
 
 
-def _metrics(
-    names: list[str], member_NxK: jax.Array, ensemble_metrics: Metrics, member_metrics: bool
-) -> Metrics:
-    """The step's scalars, from every member's ``[names + squared grad norm, K]`` metrics."""
+def _metrics(scalars: _MemberScalars, ensemble_metrics: Metrics, member_metrics: bool) -> Metrics:
+    """The step's scalars, from every member's metrics and squared gradient norm."""
     metrics = {
-        "loss": member_NxK[names.index("loss")].mean(),
-        "grad_norm": jnp.sqrt(member_NxK[-1].sum()),
+        "loss": scalars.metrics["loss"].mean(),
+        "grad_norm": jnp.sqrt(scalars.grad_norm_sq.sum()),
         **ensemble_metrics,
     }
     if not member_metrics:
         return metrics
-    by_name = {name: member_NxK[row] for row, name in enumerate(names)}
-    return {**metrics, **flatten_member_metrics(by_name)}
+    return {**metrics, **flatten_member_metrics(scalars.metrics)}
 
 
 def _check_inputs(
@@ -313,30 +311,22 @@ def make_ensemble_step(
         (2,)
     """
     resolved = resolve_strategy(strategy, layout)
-    axes = _Axes(
-        ensemble=layout.ensemble_axis,
-        data=layout.data_axis if layout.has_data_axis else None,
-        data_size=layout.data_size,
-        num_members=layout.num_members,
-        per_device=layout.members_per_device,
-    )
     batch_spec = layout.batch_spec
     if member_batches:
-        batch_spec = PartitionSpec(axes.data, layout.ensemble_axis)
+        batch_spec = PartitionSpec(layout.batch_axis, layout.ensemble_axis)
+    mapped = jax.shard_map(
+        _body(loss_fn, layout, member_batches, resolved),
+        mesh=layout.mesh,
+        in_specs=(layout.member_spec, batch_spec),
+        out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
+    )
 
     def ensemble_train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_inputs(state, batch, layout, member_batches)
-        names: list[str] = []  # filled while the shard_map traces its body
-        mapped = jax.shard_map(
-            _body(loss_fn, axes, member_batches, resolved, names),
-            mesh=layout.mesh,
-            in_specs=(layout.member_spec, batch_spec),
-            out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
-        )
-        state, member_NxK, ensemble_metrics = mapped(state, dict(batch))
-        return state, _metrics(names, member_NxK, ensemble_metrics, member_metrics)
+        state, scalars, ensemble_metrics = mapped(state, dict(batch))
+        return state, _metrics(scalars, ensemble_metrics, member_metrics)
 
-    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    replicated = replicated_sharding(layout.mesh)
     return jax.jit(
         ensemble_train_step,
         in_shardings=(layout.state_sharding, layout.batch_sharding),

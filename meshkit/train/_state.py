@@ -146,6 +146,10 @@ class TrainState(struct.PyTreeNode):
         """The variables ``apply_fn`` takes: params (these, or the state's) and collections."""
         return {"params": self.params if params is None else params, **self.collections}
 
+    def step_rng(self) -> jax.Array:
+        """This step's dropout key, ``fold_in(rng, step)``: a resumed run draws the same."""
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
     def apply_gradients(
         self, grads: Any, collections: Mapping[str, Any] | None = None
     ) -> TrainState:
@@ -166,7 +170,26 @@ def _init_state(model: Model, tx: optax.GradientTransformation, seed: int) -> Tr
 def init_state_from_key(
     model: Model, tx: optax.GradientTransformation, key: jax.Array
 ) -> TrainState:
-    """A fresh train state from ``key``: split into the init key and the dropout key."""
+    """A fresh train state from ``key``, split into the init key and the dropout key.
+
+    The un-placed building block of ``create_train_state`` (which calls it with
+    ``jax.random.key(seed)`` under a jit with the state's shardings), for use inside
+    transformations: ``jax.lax.map`` or ``jax.vmap`` over keys builds stacked states,
+    as ``meshkit.ensemble.create_ensemble_state`` does.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+        >>> model = linen_model(nn.Dense(3), jnp.zeros((1, 5)))
+        >>> keys = jax.random.split(jax.random.key(0), 2)
+        >>> states = jax.vmap(lambda key: init_state_from_key(model, optax.sgd(0.1), key))(keys)
+        >>> states.params["kernel"].shape, states.step.tolist()
+        ((2, 5, 3), [0, 0])
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"tx must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), got "
+            f"{type(tx).__name__}: {tx!r}."
+        )
     init_rng, train_rng = jax.random.split(key)
     variables = dict(model.init(init_rng))
     params = variables.pop("params")
@@ -224,8 +247,6 @@ def create_train_state(
         >>> int(state.step), state.params["Dense_0"]["kernel"].shape
         (0, (14400, 120))
     """
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
     abstract = abstract_train_state(model, tx, seed)
     shardings = train_state_shardings(abstract, mesh, rules)
     return jax.jit(lambda: _init_state(model, tx, seed), out_shardings=shardings)()

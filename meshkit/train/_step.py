@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from meshkit._host import replicated_sharding
 from meshkit.train._state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -35,13 +36,42 @@ PerExampleFn = Callable[[TrainState, Batch], Mapping[str, jax.Array]]
 """``fn(state, batch) -> {"name": values of shape [batch]}``, for evaluation."""
 
 
-def _logits(state: TrainState, params: Any, inputs: jax.Array, rng: jax.Array | None) -> Any:
-    mutable = (list(state.collections) or False) if rng is not None else False
-    rngs = {"dropout": rng} if rng is not None else None
+def apply_model(
+    state: TrainState, inputs: Any, *, params: Any | None = None, rng: jax.Array | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """The model's outputs on ``inputs``, and its updated mutable collections.
+
+    With ``rng`` (this step's dropout key, ``state.step_rng()``) the model runs in
+    training mode: dropout on, and every mutable collection of the state
+    (``batch_stats``, an NNX model's ``state``) updated and returned, ready for
+    ``LossOutput.collections``. Without ``rng`` it runs in inference mode and the
+    collections come back ``{}`` (the state's stay as they are). ``params`` replaces
+    the state's parameters: pass the argument a loss function is differentiated by.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, meshkit
+        >>> from meshkit.models import NormCNN
+        >>> from meshkit.train import apply_model, create_train_state, linen_model
+        >>> model = linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+        >>> state = create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=-1"))
+        >>> logits, collections = apply_model(state, jnp.ones((4, 8, 8, 1)),
+        ...                                   rng=jax.random.key(0))
+        >>> logits.shape, sorted(collections)
+        ((4, 10), ['batch_stats'])
+        >>> apply_model(state, jnp.ones((4, 8, 8, 1)))[1]
+        {}
+    """
+    training = rng is not None
+    mutable = (list(state.collections) or False) if training else False
     out = state.apply_fn(
-        state.variables(params), inputs, train=rng is not None, rngs=rngs, mutable=mutable
+        state.variables(params),
+        inputs,
+        train=training,
+        rngs={"dropout": rng} if training else None,
+        mutable=mutable,
     )
-    return out if mutable else (out, {})
+    outputs, collections = out if mutable else (out, {})
+    return outputs, dict(collections)
 
 
 def classification_loss(
@@ -53,7 +83,7 @@ def classification_loss(
     statistics are computed over the whole global batch: the batch is one sharded
     array, so the compiler reduces across devices where needed.
     """
-    logits, collections = _logits(state, params, batch["image"], rng)
+    logits, collections = apply_model(state, batch["image"], params=params, rng=rng)
     labels = batch["label"]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
@@ -62,7 +92,7 @@ def classification_loss(
 
 def classification_metrics(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
     """Per-example cross-entropy and correctness, in inference mode (for evaluation)."""
-    logits, _ = _logits(state, state.params, batch["image"], None)
+    logits, _ = apply_model(state, batch["image"])
     labels = batch["label"]
     return {
         "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
@@ -74,9 +104,8 @@ def train_step_fn(loss_fn: LossFn) -> Callable[[TrainState, Batch], tuple[TrainS
     """The un-jitted step: gradients of ``loss_fn``, one update, metrics as device scalars."""
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, out), grads = grad_fn(state.params, state, batch, rng)
+        (loss, out), grads = grad_fn(state.params, state, batch, state.step_rng())
         new_state = state.apply_gradients(grads, out.collections or None)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **out.metrics}
         return new_state, metrics
@@ -113,7 +142,7 @@ def make_train_step(
         >>> int(state.step), sorted(metrics)
         (1, ['accuracy', 'grad_norm', 'loss'])
     """
-    replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    replicated = replicated_sharding(batch_sharding.mesh)
     return jax.jit(
         train_step_fn(loss_fn),
         in_shardings=(state_shardings, batch_sharding),
