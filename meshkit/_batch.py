@@ -6,14 +6,16 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshkit._checks import check_int
 from meshkit._mesh import check_axis_names
+from meshkit._pytree import leading_rows
 from meshkit._specs import spec_axis_names
 
 DEFAULT_DATA_AXIS = "data"
@@ -66,7 +68,34 @@ class DataShard:
         return slice(self.start, self.stop)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """How a batch sharding splits the rows of every global batch between processes.
+
+    The leading dimension is split into ``count * shards_per_block`` equal shards;
+    each process holds ``shards_per_block`` neighbouring shards, one row block.
+    Processes that hold replicas of the same rows share a block (and its ``index``).
+    Independent of the batch size: ``data_shard`` turns it into row numbers.
+
+    Attributes:
+      count: how many distinct row blocks the processes hold between them.
+      index: which block this process holds, in ``[0, count)``.
+      shards_per_block: leading-dimension shards in one block; the rows a process
+        loads per batch come in multiples of this.
+    """
+
+    count: int
+    index: int
+    shards_per_block: int
+
+    @property
+    def shards(self) -> int:
+        """Shards of the leading dimension in all (the product of the data axes' sizes)."""
+        return self.count * self.shards_per_block
+
+
 def leading_dim_shards(sharding: NamedSharding) -> int:
+    """Shards of the leading dimension: the product of the sizes of its mesh axes."""
     spec = sharding.spec
     if len(spec) == 0 or spec[0] is None:
         return 1
@@ -80,6 +109,53 @@ def _check_batch_sharding(sharding: Any) -> NamedSharding:
             "Build one with meshkit.batch_sharding(mesh)."
         )
     return sharding
+
+
+def row_blocks(sharding: NamedSharding) -> RowBlocks:
+    """The distinct row blocks ``sharding`` gives the processes, and which one is this one's.
+
+    Computed once per sharding (and process).
+
+    Examples:
+        >>> import meshkit
+        >>> from meshkit._batch import row_blocks
+        >>> blocks = row_blocks(meshkit.batch_sharding(meshkit.make_mesh("data=-1")))
+        >>> blocks.count, blocks.index
+        (1, 0)
+    """
+    return _row_blocks(_check_batch_sharding(sharding), jax.process_index())
+
+
+@functools.lru_cache(maxsize=64)
+def _row_blocks(sharding: NamedSharding, process: int) -> RowBlocks:
+    shards = leading_dim_shards(sharding)
+    indices = sharding.devices_indices_map((shards,))  # one row per shard: row = shard
+    mine = sorted(
+        {
+            index[0].start or 0
+            for device, index in indices.items()
+            if device.process_index == process
+        }
+    )
+    if not mine:
+        raise ValueError(
+            f"Process {process} has no device in the mesh of this sharding, so it "
+            "holds no rows. Build the mesh from all devices (meshkit.make_mesh does)."
+        )
+    per_block = len(mine)
+    if (
+        mine != list(range(mine[0], mine[0] + per_block))
+        or mine[0] % per_block
+        or shards % per_block
+    ):
+        raise ValueError(
+            f"Process {process} holds row shards {mine} of {shards}; meshkit needs each "
+            "process's rows to be one aligned, contiguous block. Build the mesh with "
+            "meshkit.make_mesh, which keeps a process's devices together."
+        )
+    return RowBlocks(
+        count=shards // per_block, index=mine[0] // per_block, shards_per_block=per_block
+    )
 
 
 def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
@@ -100,73 +176,72 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
         >>> (shard.start, shard.stop, shard.count)
         (0, 64, 1)
     """
-    sharding = _check_batch_sharding(sharding)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int | np.integer):
-        raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}.")
-    return _data_shard(sharding, int(global_batch_size), jax.process_index())
+    blocks = row_blocks(sharding)
+    global_batch_size = check_int(global_batch_size, name="global_batch_size")
+    return _block_rows(blocks, sharding, global_batch_size)
 
 
-@functools.lru_cache(maxsize=64)
-def _data_shard(sharding: NamedSharding, global_batch_size: int, process: int) -> DataShard:
-    """``data_shard``'s arithmetic, once per (sharding, batch size): hot loops call it per batch."""
-    shards = leading_dim_shards(sharding)
-    if global_batch_size <= 0 or global_batch_size % shards:
+def _block_rows(blocks: RowBlocks, sharding: NamedSharding, global_batch_size: int) -> DataShard:
+    """This process's rows of a global batch of ``global_batch_size`` rows."""
+    if global_batch_size <= 0 or global_batch_size % blocks.shards:
         raise ValueError(
             f"Global batch size {global_batch_size} must be a positive multiple of the "
-            f"{shards} shards of the data axes {sharding.spec[0]!r} "
+            f"{blocks.shards} shards of the data axes {sharding.spec[0]!r} "
             f"(mesh {dict(sharding.mesh.shape)}). "
-            f"Use a batch size divisible by {shards}, or pad the last batch "
+            f"Use a batch size divisible by {blocks.shards}, or pad the last batch "
             "(meshkit pads evaluation batches with a mask)."
         )
-    rows_per_block = global_batch_size // shards
-    indices = sharding.devices_indices_map((global_batch_size,))
-    mine = sorted(
-        {
-            (index[0].start or 0) // rows_per_block
-            for device, index in indices.items()
-            if device.process_index == process
-        }
-    )
-    if not mine:
-        raise ValueError(
-            f"Process {process} has no device in the mesh of this sharding, so it "
-            "holds no rows. Build the mesh from all devices (meshkit.make_mesh does)."
-        )
-    if mine != list(range(mine[0], mine[-1] + 1)):
-        raise ValueError(
-            f"Process {process} holds non-contiguous row blocks {mine} of "
-            f"{shards}; meshkit needs each process's rows to be contiguous. Build the mesh "
-            "with meshkit.make_mesh, which keeps a process's devices together."
-        )
-    blocks_per_process = len(mine)
+    rows = global_batch_size // blocks.count
     return DataShard(
-        start=mine[0] * rows_per_block,
-        stop=(mine[-1] + 1) * rows_per_block,
-        index=mine[0] // blocks_per_process,
-        count=shards // blocks_per_process,
+        start=blocks.index * rows,
+        stop=(blocks.index + 1) * rows,
+        index=blocks.index,
+        count=blocks.count,
     )
 
 
-def _local_rows(local_batch: Any) -> int:
-    leaves = jax.tree.leaves(local_batch)
-    if not leaves:
-        raise ValueError("shard_batch got an empty pytree; pass at least one array.")
-    shapes = [np.shape(leaf) for leaf in leaves]
-    if all(shapes) and len({shape[0] for shape in shapes}) == 1:
-        return shapes[0][0]
-    rows = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(local_batch):
-        shape = np.shape(leaf)
-        if not shape:
-            raise ValueError(
-                f"Batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a "
-                "leading example dimension."
-            )
-        rows[jax.tree_util.keystr(path)] = shape[0]
-    raise ValueError(
-        f"Batch leaves have different numbers of rows: {rows}. Every leaf of a batch "
-        "must have the same leading dimension."
-    )
+def pad_rows(
+    batch: Any, rows: int, *, fill: Literal["zeros", "wrap"] = "zeros"
+) -> tuple[Any, np.ndarray]:
+    """Pads every leaf of ``batch`` to ``rows`` rows on the host; returns it and its mask.
+
+    The real rows come first. ``fill="zeros"`` appends rows of zeros;
+    ``fill="wrap"`` repeats the real rows from the first one, so that a function
+    finite on the data is finite on the padding too.
+
+    Args:
+      batch: a pytree of arrays sharing their leading (row) dimension.
+      rows: rows after padding, at least the rows of ``batch``.
+      fill: what the padded rows hold.
+
+    Returns:
+      ``(padded, mask)``: the padded numpy pytree and ``bool[rows]``, ``True`` on the
+      real rows.
+
+    Examples:
+        >>> import numpy as np
+        >>> from meshkit._batch import pad_rows
+        >>> padded, mask = pad_rows({"x": np.array([1, 2])}, 4, fill="wrap")
+        >>> padded["x"].tolist(), mask.tolist()
+        ([1, 2, 1, 2], [True, True, False, False])
+    """
+    count = leading_rows(batch, what="pad_rows")
+    if count > rows:
+        raise ValueError(
+            f"pad_rows got {count} rows, more than the {rows} rows to pad to; pass rows >= {count}."
+        )
+    if fill == "wrap" and count == 0 and rows > 0:
+        raise ValueError("pad_rows cannot wrap around 0 rows; pass fill='zeros' or some rows.")
+
+    def pad(leaf: Any) -> np.ndarray:
+        leaf = np.asarray(leaf)
+        if count == rows:
+            return leaf
+        if fill == "wrap":
+            return np.take(leaf, np.arange(rows) % count, axis=0)
+        return np.concatenate([leaf, np.zeros((rows - count, *leaf.shape[1:]), leaf.dtype)])
+
+    return jax.tree.map(pad, batch), np.arange(rows) < count
 
 
 def _digest(local_batch: Any) -> int:
@@ -176,11 +251,10 @@ def _digest(local_batch: Any) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _global_batch_size(local_batch: Any, local_rows: int, sharding: NamedSharding) -> int:
+def _global_batch_size(local_batch: Any, local_rows: int, blocks: RowBlocks) -> int:
     """Infers the global batch size, checking that processes agree on rows and replicas."""
     if jax.process_count() == 1:
         return local_rows
-    blocks = data_shard(sharding, leading_dim_shards(sharding))
     mine = np.array([local_rows, blocks.index, _digest(local_batch)], dtype=np.int64)
     gathered = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
     rows = gathered[:, 0].tolist()
@@ -229,11 +303,12 @@ def shard_batch(
         >>> batch["x"].shape
         (8, 3)
     """
-    sharding = _check_batch_sharding(sharding)
-    rows = _local_rows(local_batch)
+    blocks = row_blocks(sharding)
+    rows = leading_rows(local_batch, what="shard_batch")
     if global_batch_size is None:
-        global_batch_size = _global_batch_size(local_batch, rows, sharding)
-    shard = data_shard(sharding, global_batch_size)
+        global_batch_size = _global_batch_size(local_batch, rows, blocks)
+    global_batch_size = check_int(global_batch_size, name="global_batch_size")
+    shard = _block_rows(blocks, sharding, global_batch_size)
     if rows != shard.size:
         raise ValueError(
             f"Process {jax.process_index()} passed {rows} rows, but a global batch of "

@@ -10,6 +10,46 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding that puts a full copy of an array on every device of ``mesh``.
+
+    Examples:
+        >>> import meshkit
+        >>> from meshkit._host import replicated_sharding
+        >>> replicated_sharding(meshkit.make_mesh("data=-1")).spec
+        P()
+    """
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place_global(tree: Any, sharding: NamedSharding) -> Any:
+    """Places every leaf of ``tree``, a full global value, as a ``jax.Array`` with ``sharding``.
+
+    Every process passes the same full values and builds only its own shards from
+    them (``jax.make_array_from_callback``), with no cross-process communication. A
+    ``jax.Array`` spread over several processes is resharded by an identity
+    ``jax.jit`` instead. For per-process rows of a batch, use ``shard_batch``.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> from meshkit._host import place_global
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> x = place_global(np.arange(8.0), meshkit.batch_sharding(mesh))
+        >>> x.shape, x.sharding.spec
+        ((8,), P('data',))
+    """
+
+    def put(leaf: Any) -> jax.Array:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
+        if jax.process_count() == 1:
+            return jax.device_put(leaf, sharding)
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Places every leaf of ``tree`` fully replicated on ``mesh``.
 
@@ -28,17 +68,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"replicate needs a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    sharding = NamedSharding(mesh, PartitionSpec())
-
-    def put(leaf: Any) -> jax.Array:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
-        if jax.process_count() == 1:
-            return jax.device_put(leaf, sharding)
-        host = np.asarray(leaf)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(put, tree)
+    return place_global(tree, replicated_sharding(mesh))
 
 
 def to_host(tree: Any) -> Any:

@@ -9,6 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
+from meshkit._batch import RowBlocks, pad_rows, row_blocks
+from meshkit._checks import check_int
+from meshkit._pytree import leading_rows
 
 
 def test_batch_sharding_spec_and_errors():
@@ -95,3 +98,56 @@ def test_every_placement_path_gives_what_device_put_gives(devices):
         np.testing.assert_array_equal(np.asarray(placed[key]), np.asarray(reference[key]))
     local["image"][:] = 0  # the placed batch is a copy, not a view of the host array
     assert np.asarray(placed["image"]).any()
+
+
+@pytest.mark.devices(8)
+def test_row_blocks_name_the_blocks_once_per_sharding():
+    mesh = meshkit.make_mesh("data=4,model=2")
+    blocks = row_blocks(meshkit.batch_sharding(mesh))
+    assert blocks == RowBlocks(count=1, index=0, shards_per_block=4) and blocks.shards == 4
+    assert row_blocks(meshkit.batch_sharding(mesh)) is blocks  # cached per sharding
+    assert row_blocks(NamedSharding(mesh, P())) == RowBlocks(count=1, index=0, shards_per_block=1)
+    with pytest.raises(TypeError, match="NamedSharding"):
+        row_blocks(P("data"))  # type: ignore[arg-type]
+
+
+def test_pad_rows_fills_with_zeros_or_wraps_and_masks():
+    batch = {"x": np.array([[1, 2], [3, 4]]), "y": np.array([5, 6])}
+    zeros, mask = pad_rows(batch, 5)
+    assert zeros["x"].tolist() == [[1, 2], [3, 4], [0, 0], [0, 0], [0, 0]]
+    assert zeros["y"].dtype == batch["y"].dtype and mask.tolist() == [1, 1, 0, 0, 0]
+    wrapped, mask = pad_rows(batch, 5, fill="wrap")
+    assert wrapped["y"].tolist() == [5, 6, 5, 6, 5] and mask.sum() == 2
+    same, mask = pad_rows(batch, 2)
+    assert same["y"].tolist() == [5, 6] and mask.all()
+    with pytest.raises(ValueError, match="got 2 rows, more than the 1 rows"):
+        pad_rows(batch, 1)
+    with pytest.raises(ValueError, match="cannot wrap around 0 rows"):
+        pad_rows({"x": np.zeros((0, 2))}, 2, fill="wrap")
+
+
+def test_leading_rows_names_every_leaf_on_a_mismatch():
+    assert leading_rows({"x": np.zeros((3, 2)), "y": np.zeros(3)}, what="t") == 3
+    assert leading_rows([np.zeros((0, 2))], what="t") == 0
+    with pytest.raises(ValueError, match=r"t: the leaves have different.*\{\"\['x'\]\": 3"):
+        leading_rows({"x": np.zeros(3), "y": np.zeros(4)}, what="t")
+    with pytest.raises(ValueError, match=r"t: leaf \['x'\] is a scalar"):
+        leading_rows({"x": np.float32(0)}, what="t")
+    with pytest.raises(ValueError, match="t got an empty pytree"):
+        leading_rows({}, what="t")
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (True, TypeError, r"n must be an int >= 1, got True \(bool\)\. Fix\."),
+        (2.0, TypeError, r"got 2\.0 \(float\)"),
+        ("3", TypeError, r"got '3' \(str\)"),
+        (0, ValueError, r"n must be an int >= 1, got 0\. Fix\."),
+    ],
+)
+def test_check_int_separates_wrong_types_from_bad_values(value, error, message):
+    with pytest.raises(error, match=message):
+        check_int(value, name="n", minimum=1, fix="Fix.")
+    assert check_int(np.int64(3), name="n", minimum=1) == 3
+    assert type(check_int(np.int64(3), name="n")) is int

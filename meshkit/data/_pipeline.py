@@ -18,7 +18,8 @@ import grain
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshkit._batch import DataShard, data_shard
+from meshkit._batch import DataShard, data_shard, pad_rows
+from meshkit._checks import check_int
 from meshkit.data._source import Record, Source, source_fingerprint
 
 Transform = Callable[[Record, np.random.Generator], Record]
@@ -198,9 +199,7 @@ class TrainPipeline(_Pipeline):
             )
         if num_epochs is not None and num_epochs < 1:
             raise ValueError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}.")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
-        self.seed = seed
+        self.seed = check_int(seed, name="seed", minimum=0)
         self.transform = transform
         self.shuffle = shuffle
         self.steps_per_epoch = len(source) // global_batch_size
@@ -312,13 +311,7 @@ class EvalPipeline(_Pipeline):
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
         if self.transform is None and valid.any():  # the real rows in one read
-            batch = _fetch(self.source, positions[valid])
-            missing = int((~valid).sum())
-            if missing:  # zero rows after the real ones (the real rows come first)
-                batch = {
-                    key: np.concatenate([value, np.zeros((missing, *value.shape[1:]), value.dtype)])
-                    for key, value in batch.items()
-                }
+            batch, _ = pad_rows(_fetch(self.source, positions[valid]), len(positions))
         else:
             padding = {key: np.zeros_like(value) for key, value in self._template.items()}
             batch = stack_records(

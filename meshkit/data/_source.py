@@ -9,6 +9,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from meshkit._pytree import leading_rows
+
 Record = dict[str, np.ndarray]
 """One example: field name -> array (``{"image": uint8[28, 28, 1], "label": int32[]}``)."""
 
@@ -51,14 +53,7 @@ class ArraySource:
         if not arrays:
             raise ValueError("ArraySource needs at least one array, got none.")
         self.arrays = {key: np.asarray(value) for key, value in arrays.items()}
-        lengths = {
-            key: (value.shape[0] if value.ndim else None) for key, value in self.arrays.items()
-        }
-        if None in lengths.values() or len(set(lengths.values())) != 1:
-            raise ValueError(
-                f"ArraySource arrays must share their leading dimension; got lengths {lengths}."
-            )
-        self._length = next(iter(lengths.values())) or 0
+        self._length = leading_rows(self.arrays, what="ArraySource")
         self.name = name
         self._fingerprint: str | None = None
 

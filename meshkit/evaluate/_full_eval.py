@@ -9,10 +9,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from meshkit._batch import batch_sharding
-from meshkit._host import to_host
+from meshkit._host import replicated_sharding, to_host
 from meshkit._inflight import InFlight, default_max_in_flight
 from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
 from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
@@ -39,7 +39,7 @@ class EvalResult:
 @functools.lru_cache(maxsize=32)
 def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mesh) -> Any:
     """One jitted step per (function, collected names, mesh): compiled once per batch shape."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated = replicated_sharding(mesh)
 
     def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         values = dict(per_example_fn(state, batch))

@@ -11,19 +11,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from meshkit._batch import batch_sharding, data_shard, leading_dim_shards, shard_batch
+from meshkit._batch import batch_sharding, data_shard, pad_rows, row_blocks, shard_batch
 from meshkit._host import to_host
-
-
-def _rows(args: Sequence[Any]) -> int:
-    sizes = {np.shape(leaf)[0] for arg in args for leaf in jax.tree.leaves(arg)}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"pad_shard_unpad: the batched arguments have leading dimensions {sorted(sizes)}; "
-            "they must all have the same number of rows. Mark arguments that are not "
-            "batched (parameters, state) with static_argnums."
-        )
-    return sizes.pop()
+from meshkit._pytree import leading_rows
 
 
 def _padded_rows(rows: int, min_batch: int | None, multiple: int) -> int:
@@ -38,12 +28,6 @@ def _padded_rows(rows: int, min_batch: int | None, multiple: int) -> int:
         # Processes may hold different numbers of rows: agree on the largest.
         target = int(np.max(multihost_utils.process_allgather(np.int64(rows))))
     return max(multiple, -(-target // multiple) * multiple)
-
-
-def _pad(leaf: Any, rows: int) -> np.ndarray:
-    leaf = np.asarray(leaf)
-    padding = np.zeros((rows - leaf.shape[0], *leaf.shape[1:]), leaf.dtype)
-    return np.concatenate([leaf, padding])
 
 
 def pad_shard_unpad(
@@ -87,19 +71,21 @@ def pad_shard_unpad(
         (5, 2)
     """
     batch = batch_sharding(sharding) if isinstance(sharding, Mesh) else sharding
-    shards = leading_dim_shards(batch)
-    shard_count = data_shard(batch, shards).count  # distinct row blocks between processes
-    multiple = shards // shard_count  # rows per process come in multiples of this
+    blocks = row_blocks(batch)
 
     @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:
         batched = [i for i in range(len(args)) if i not in static_argnums]
-        rows = _rows([args[i] for i in batched])
-        padded_rows = _padded_rows(rows, min_batch, multiple)
-        global_rows = padded_rows * shard_count
+        rows = leading_rows(
+            [args[i] for i in batched],
+            what="pad_shard_unpad",
+            fix="Mark arguments that are not batched (parameters, state) with static_argnums.",
+        )
+        padded_rows = _padded_rows(rows, min_batch, blocks.shards_per_block)
+        global_rows = padded_rows * blocks.count
         call = list(args)
         for i in batched:
-            local = jax.tree.map(functools.partial(_pad, rows=padded_rows), args[i])
+            local, _ = pad_rows(args[i], padded_rows)
             call[i] = shard_batch(local, batch, global_batch_size=global_rows)
         kwargs = {}
         if with_mask:

@@ -9,7 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+
+from meshkit._host import replicated_sharding
 
 PerExampleFn = Callable[[Any, Mapping[str, jax.Array]], Mapping[str, jax.Array]]
 """``fn(state, batch) -> {"metric": per-example values of shape [batch]}``."""
@@ -67,7 +69,7 @@ def zero_totals(
     names = _metric_names(per_example_fn, tuple(collect), signature, _Unhashed((state, batch)))
     zeros: dict[str, np.ndarray] = {name: np.zeros((), np.float32) for name in names}
     zeros["count"] = np.zeros((), np.int32)
-    return jax.device_put(zeros, NamedSharding(mesh, PartitionSpec()))
+    return jax.device_put(zeros, replicated_sharding(mesh))
 
 
 def _signature(tree: Any) -> tuple[Any, ...]:

@@ -9,10 +9,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from meshkit._batch import batch_sharding, data_shard, leading_dim_shards, shard_batch
-from meshkit._host import to_host
+from meshkit._batch import batch_sharding, pad_rows, row_blocks, shard_batch
+from meshkit._host import replicated_sharding, to_host
+from meshkit._pytree import leading_rows
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
 from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
@@ -20,7 +21,7 @@ from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_tota
 
 @functools.lru_cache(maxsize=32)
 def _stream_step(per_example_fn: PerExampleFn, mesh: Mesh) -> Any:
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated = replicated_sharding(mesh)
 
     def step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         sums = masked_sums(per_example_fn(state, batch), batch["mask"])
@@ -33,21 +34,14 @@ def _stream_step(per_example_fn: PerExampleFn, mesh: Mesh) -> Any:
 def _pad_local(batch: Record | None, template: Record, rows: int, more: bool) -> Record:
     if batch is None:
         batch = {key: value[:0] for key, value in template.items()}
-    count = len(next(iter(batch.values())))
+    count = leading_rows(batch, what="stream_eval")
     if count > rows:
         raise ValueError(
             f"stream_eval got a local batch of {count} rows; rows_per_process is {rows}. "
             "Batch the local data to at most rows_per_process rows."
         )
-    padded = {
-        key: np.concatenate(
-            [np.asarray(value), np.zeros((rows - count, *value.shape[1:]), value.dtype)]
-        )
-        for key, value in batch.items()
-    }
-    padded["mask"] = np.arange(rows) < count
-    padded["more"] = np.full(rows, more)
-    return padded
+    padded, mask = pad_rows(batch, rows)
+    return {**padded, "mask": mask, "more": np.full(rows, more)}
 
 
 def stream_eval(
@@ -94,14 +88,13 @@ def stream_eval(
         (50, 50.0)
     """
     sharding = batch_sharding(mesh)
-    shards = leading_dim_shards(sharding)
-    blocks = data_shard(sharding, shards).count
-    if rows_per_process % (shards // blocks):
+    blocks = row_blocks(sharding)
+    if rows_per_process % blocks.shards_per_block:
         raise ValueError(
-            f"rows_per_process={rows_per_process} must be a multiple of the {shards // blocks} "
-            "data shards on each process."
+            f"rows_per_process={rows_per_process} must be a multiple of the "
+            f"{blocks.shards_per_block} data shards on each process."
         )
-    global_rows = rows_per_process * blocks
+    global_rows = rows_per_process * blocks.count
     step_fn = _stream_step(per_example_fn, mesh)
     iterator = iter(local_batches)
     upcoming = next(iterator, None)

@@ -10,6 +10,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshkit._batch import pad_rows
+from meshkit._host import place_global
+from meshkit._pytree import leading_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +60,8 @@ def check_data_axis(mesh: Any, data_axis: str, *, where: str) -> Mesh:
     return mesh
 
 
-def _host_leaves(arrays: Any) -> tuple[list[np.ndarray], Any]:
-    leaves, treedef = jax.tree.flatten(arrays)
-    if not leaves:
-        raise ValueError(
-            "shard_dataset got an empty pytree; pass the data arrays, e.g. {'x': x, 'y': y}."
-        )
-    host = []
+def _check_host_data(arrays: Any) -> None:
+    """Rejects leaves that no single process holds in full."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(arrays):
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             raise ValueError(
@@ -70,31 +69,6 @@ def _host_leaves(arrays: Any) -> tuple[list[np.ndarray], Any]:
                 "processes; shard_dataset takes the full host data on every process. Pass "
                 "numpy arrays (every process the same), or build a Dataset yourself."
             )
-        value = np.asarray(leaf)
-        if value.ndim == 0:
-            raise ValueError(
-                f"Leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a leading "
-                "row dimension (one row per example)."
-            )
-        host.append(value)
-    return host, treedef
-
-
-def _rows(arrays: Any, leaves: list[np.ndarray]) -> int:
-    rows = {
-        jax.tree_util.keystr(path): leaf.shape[0]
-        for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(arrays), leaves, strict=True)
-    }
-    if len(set(rows.values())) > 1:
-        raise ValueError(
-            f"The data leaves have different numbers of rows: {rows}. Every leaf needs one "
-            "row per example (the same leading dimension); check which array was "
-            "transposed or cut."
-        )
-    count = next(iter(rows.values()))
-    if count == 0:
-        raise ValueError("The data has 0 rows; an objective needs at least one example.")
-    return count
 
 
 def shard_dataset(arrays: Any, mesh: Mesh, *, data_axis: str = "data") -> Dataset:
@@ -122,22 +96,20 @@ def shard_dataset(arrays: Any, mesh: Mesh, *, data_axis: str = "data") -> Datase
         (5, 0)
     """
     mesh = check_data_axis(mesh, data_axis, where="shard_dataset")
-    leaves, treedef = _host_leaves(arrays)
-    count = _rows(arrays, leaves)
+    _check_host_data(arrays)
+    count = leading_rows(
+        arrays, what="shard_dataset", fix="Check which array was transposed or cut."
+    )
+    if count == 0:
+        raise ValueError("The data has 0 rows; an objective needs at least one example.")
     shards = mesh.shape[data_axis]
-    padded = math.ceil(count / shards) * shards
-    rows = np.arange(padded) % count  # wrap around: padded rows repeat real ones
+    batch, mask = pad_rows(arrays, math.ceil(count / shards) * shards, fill="wrap")
     sharding = NamedSharding(mesh, PartitionSpec(data_axis))
-
-    def place(full: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
-
-    def pad(host: np.ndarray) -> np.ndarray:
-        return host if padded == count else np.take(host, rows, axis=0)
-
-    batch = jax.tree.unflatten(treedef, [place(pad(leaf)) for leaf in leaves])
-    mask = place(np.arange(padded) < count)
-    return Dataset(batch=batch, mask=mask, num_examples=count)
+    return Dataset(
+        batch=place_global(batch, sharding),
+        mask=place_global(mask, sharding),
+        num_examples=count,
+    )
 
 
 def classification_data(
