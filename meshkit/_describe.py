@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from meshkit._rules import path_str
+from meshkit._pytree import path_str
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -12,6 +12,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from meshkit._checks import check_int
+
 AxesLike = Mapping[str, int] | str
 """Mesh axes as ``{"data": -1, "model": 2}`` or as the string ``"data=-1,model=2"``."""
 
@@ -74,10 +76,11 @@ def parse_axes(axes: AxesLike) -> dict[str, int]:
             raise ValueError(
                 f"Mesh axis name {name!r} is not a valid identifier; use names like 'data'."
             )
-        if isinstance(size, bool) or not isinstance(size, int | np.integer):
-            raise TypeError(
-                f"Mesh axis {name!r} has size {size!r}; expected an int (or -1 to fill)."
-            )
+        check_int(
+            size,
+            name=f"Mesh axis {name!r} size",
+            fix="Pass a positive int, or -1 to fill with the remaining devices.",
+        )
         if size == 0 or size < -1:
             raise ValueError(
                 f"Mesh axis {name!r} has size {size}; expected a positive int, or -1 to fill "
@@ -243,15 +246,6 @@ def make_mesh(
     types = _resolve_axis_types(tuple(sizes), axis_types)
     grid = device_grid(sizes, devices, dcn_axes)
     return Mesh(grid, tuple(sizes), axis_types=types)
-
-
-def mesh_axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
-    """The number of devices along one axis or the product over several axes."""
-    if axes is None:
-        return 1
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    check_axis_names(mesh, names, what="axis")
-    return math.prod(mesh.shape[name] for name in names)
 
 
 def check_axis_names(mesh: Mesh, names: Sequence[str], *, what: str) -> None:

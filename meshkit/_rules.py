@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._mesh import check_axis_names
+from meshkit._pytree import path_str
 from meshkit._specs import entry_axis_names, spec_axis_names
 
 logger = logging.getLogger("meshkit")
@@ -65,19 +66,6 @@ class Placement:
     pattern: str | None
     spec: PartitionSpec
     dropped: tuple[str, ...] = ()
-
-
-def path_str(path: Iterable[Any]) -> str:
-    """Joins a pytree key path with ``/``: ``params/Dense_0/kernel``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 class PartitionRules:

@@ -39,7 +39,9 @@ def test_parse_axes_rejects_bad_input(axes, message):
 
 
 def test_parse_axes_rejects_non_int_size():
-    with pytest.raises(TypeError, match=r"has size 2.5"):
+    with pytest.raises(
+        TypeError, match=r"Mesh axis .data. size must be an int, got 2\.5 \(float\)"
+    ):
         parse_axes({"data": 2.5})  # type: ignore[dict-item]
 
 

@@ -32,9 +32,3 @@ def tree_axpy(alpha: jax.Array | float, x: Any, y: Any) -> Any:
 def tree_scale(alpha: jax.Array | float, x: Any) -> Any:
     """``alpha * x`` leaf by leaf, keeping each leaf's dtype."""
     return jax.tree.map(lambda a: (alpha * a).astype(a.dtype), x)
-
-
-def tree_all_finite(tree: Any) -> jax.Array:
-    """Whether every element of ``tree`` is finite, as one boolean scalar."""
-    flags = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
-    return jnp.stack(flags).all() if flags else jnp.asarray(True)
