@@ -9,6 +9,8 @@ from typing import Generic, TypeVar
 import jax
 from jax.sharding import Mesh
 
+from meshkit._checks import check_int
+
 T = TypeVar("T")
 
 
@@ -47,9 +49,7 @@ class InFlight(Generic[T]):
     """
 
     def __init__(self, limit: int):
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1 step, got {limit!r}.")
-        self.limit = limit
+        self.limit = check_int(limit, name="max_in_flight", minimum=1, unit="step")
         self._queued: collections.deque[tuple[T, jax.Array]] = collections.deque()
 
     def __len__(self) -> int:

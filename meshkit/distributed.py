@@ -21,6 +21,8 @@ from typing import Literal
 
 import jax
 
+from meshkit._checks import check_int
+
 __all__ = ["Launch", "backend_started", "detect_launch", "initialize"]
 
 ENV_COORDINATOR = "MESHKIT_COORDINATOR_ADDRESS"
@@ -179,8 +181,7 @@ def initialize(
             "Call initialize() at the top of your program, before any other JAX use."
         )
     if cpu_devices is not None:
-        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
-            raise ValueError(f"cpu_devices must be a positive int, got {cpu_devices!r}.")
+        check_int(cpu_devices, name="cpu_devices", minimum=1)
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if launch.mode == "single":
         return launch

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from meshkit._checks import check_int
 from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 TIMEOUT_EXIT_CODE = 124
@@ -79,8 +80,7 @@ def process_environment(
 
 def _check_counts(processes: int, devices_per_process: int) -> None:
     for name, value in (("processes", processes), ("devices_per_process", devices_per_process)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        check_int(value, name=name, minimum=1)
 
 
 class _Prefixer:

@@ -36,7 +36,9 @@ def test_window_waits_for_the_oldest_and_keeps_the_order(limit):
     assert done == list(range(7)) and len(window) == 0
 
 
-@pytest.mark.parametrize("limit", [0, -1, True, 2.0])
-def test_window_needs_a_positive_int(limit):
-    with pytest.raises(ValueError, match=f"got {limit!r}"):
+@pytest.mark.parametrize(
+    ("limit", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)]
+)
+def test_window_needs_a_positive_int(limit, error):
+    with pytest.raises(error, match=f"max_in_flight must be an int >= 1 step, got {limit!r}"):
         meshkit.InFlight(limit)

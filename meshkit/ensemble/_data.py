@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshkit._checks import check_int
 from meshkit.data import Record, Source, TrainPipeline, Transform
 
 
@@ -71,8 +72,7 @@ class MemberTrainPipeline(TrainPipeline):
         num_threads: int | None = None,
         prefetch: int = 4,
     ):
-        if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
-            raise ValueError(f"num_members must be a positive int, got {num_members!r}.")
+        check_int(num_members, name="num_members", minimum=1)
         super().__init__(
             source,
             global_batch_size=global_batch_size,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from meshkit._checks import check_int
 from meshkit.distributed import backend_started
 from meshkit.launch import free_port, process_environment
 
@@ -31,8 +32,7 @@ def set_cpu_devices(count: int) -> None:
         >>> from meshkit.testing import set_cpu_devices
         >>> set_cpu_devices(8)  # doctest: +SKIP
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"The CPU device count must be a positive int, got {count!r}.")
+    check_int(count, name="The CPU device count", minimum=1)
     if backend_started():
         current = jax.local_device_count()
         if current == count:

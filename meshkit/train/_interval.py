@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from meshkit._host import to_host
+from meshkit._host import replicated_sharding, to_host
 
 WATCHED = ("loss", "grad_norm")
 """Metrics whose non-finite values stop training (each one the step reports)."""
@@ -106,7 +106,7 @@ class MetricLayout:
 def zero_interval(layout: MetricLayout, mesh: Mesh) -> Interval:
     """An empty ``Interval``, replicated on ``mesh``."""
     zeros = (np.zeros((layout.size,), np.float32), np.zeros((), np.int32), np.zeros((), np.int32))
-    return Interval(*jax.device_put(zeros, NamedSharding(mesh, PartitionSpec())))
+    return Interval(*jax.device_put(zeros, replicated_sharding(mesh)))
 
 
 def _add(layout: MetricLayout, interval: Interval, metrics: Mapping[str, jax.Array]) -> Interval:
@@ -124,7 +124,7 @@ def interval_update(layout: MetricLayout, mesh: Mesh) -> Callable[[Interval, Any
     A train step written as plain Python (host logic between jitted calls) cannot run
     inside ``accumulating_step``; its metrics are added by this second small program.
     """
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated = replicated_sharding(mesh)
     return jax.jit(functools.partial(_add, layout), out_shardings=replicated)
 
 
@@ -157,7 +157,7 @@ def _accumulating_step(
     donate_state: bool,
 ) -> Callable[[Any, Any, Interval], tuple[Any, Interval]]:
     treedef, sharding_leaves = state_shardings  # flattened: hashable
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated = replicated_sharding(mesh)
 
     def step(state: Any, batch: Any, interval: Interval) -> tuple[Any, Interval]:
         state, metrics = train_step(state, batch)
