@@ -1,26 +1,30 @@
-"""The JAXopt L-BFGS notebook: its jaxopt loop, ported, against meshkit.lbfgs on 8 devices.
+"""L-BFGS to a gradient tolerance: meshkit.lbfgs against jaxopt, optax and the notebook's loop.
 
     python -m benchmarks.lbfgs        # or: python -m benchmarks lbfgs
 
-On 8 fake CPU devices (mesh ``data=8``) and the seed's data (``make_classification``,
-50,000 × 784, 10 classes, 50 informative, ``random_state=0``), from zero weights to a
-gradient norm of at most 1e-3 (jaxopt's default ``tol``), interleaved A B, B A, ...:
+On 8 fake CPU devices (mesh ``data=8``), multinomial logistic regression from zero
+weights to a gradient norm of at most 1e-3 (jaxopt's default ``tol``), on three
+problems: the JAXopt notebook's (``make_classification``, 50,000 × 784, 10 classes,
+50 informative, ``random_state=0``), the same with its features scaled over three
+orders of magnitude (ill-conditioned), and 200,000 synthetic rows. Interleaved rounds
+(A B C ..., the order rotating) of:
 
-- the JAXopt notebook's program with the smallest change that runs today: ``jaxopt.LBFGS(fun=
-  multiclass_logreg, stepsize=0.0, linesearch="zoom")``, ``update`` under ``jax.jit``
-  with the data on ``P('data')`` (the seed's ``pjit``), the state from ``init_state``,
-  and the notebook's Python loop that blocks on every step and reads ``state.error``
-  (at most one step in flight; it stops at the tolerance instead of after 100 steps);
-- ``meshkit.lbfgs.LBFGS(...).solve``: one jitted program, one dispatch, its defaults
-  (``history_size=20, c2=0.5``);
-- the same with jaxopt's settings (``history_size=10, c2=0.9``), to show what the
-  defaults buy.
+- the JAXopt notebook's program with the smallest change that runs today:
+  ``jaxopt.LBFGS(fun=multiclass_logreg, stepsize=0.0, linesearch="zoom")``, ``update``
+  under ``jax.jit`` with the data on ``P('data')``, and the notebook's Python loop that
+  blocks on every step and reads ``state.error``;
+- ``jaxopt.LBFGS(...).run`` under ``jax.jit`` (jaxopt's own loop, one program);
+- ``optax.lbfgs()`` stepped in a jitted ``while_loop`` (the optax documentation's loop);
+- ``meshkit.lbfgs.LBFGS(...).solve`` with its defaults, and with jaxopt's ``history_size=10,
+  c2=0.9``;
+- one read of X (``jnp.sum(x, axis=0)``), the memory-bandwidth floor of an evaluation.
 
-Reported: the ratio of total times (compile excluded; compile times separately),
-iterations and evaluations, compile counts for repeated solves on new data and for a
-sweep and a grid of strengths, the final objective against scipy's float64 L-BFGS-B
-optimum, time per iteration at 10k, 20k and 40k rows, and peak memory (process RSS:
-on the CPU backend ``Device.memory_stats()`` is ``None``).
+Reported per problem: the ratio of total times (compile excluded), iterations,
+evaluations, ms per evaluation against one read of X; then compile times, the final
+objective against scipy's float64 L-BFGS-B optimum, compile counts for repeated solves
+on new data and for a sweep and a grid of strengths, time per iteration at 10k, 20k and
+40k rows, and peak memory (process RSS: on the CPU backend ``Device.memory_stats()`` is
+``None``).
 """
 
 from __future__ import annotations
@@ -44,11 +48,14 @@ from sklearn import datasets  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._lbfgs_peers import jaxopt_run, optax_loop  # noqa: E402
 from meshkit import lbfgs  # noqa: E402
 
 ROWS, FEATURES, CLASSES = 50_000, 784, 10
 TOL = 1e-3
 ROUNDS = 5
+MAX_STEPS = 2000
+LARGE_ROWS = 200_000
 SCALING_ROWS = (10_000, 20_000, 40_000)
 SCALING_STEPS = 25
 
@@ -81,8 +88,8 @@ def reset_peak_rss() -> bool:
 class SeedLoop:
     """The notebook's ``fit`` loop, ported: jit instead of the removed pjit, P('data') data."""
 
-    def __init__(self, data: tuple[jax.Array, jax.Array]):
-        self.data = data
+    def __init__(self, data: tuple[jax.Array, jax.Array], *, max_steps: int = 500):
+        self.data, self.max_steps = data, max_steps
         self.solver = jaxopt.LBFGS(
             fun=jaxopt.objective.multiclass_logreg, stepsize=0.0, linesearch="zoom"
         )
@@ -94,7 +101,7 @@ class SeedLoop:
         params = jnp.zeros([FEATURES, CLASSES])
         state = self.solver.init_state(params, data=self.data)
         errors = []
-        for _ in range(500):
+        for _ in range(self.max_steps):
             params, state = self.update(params, state, self.data)
             jax.tree.map(lambda t: t.block_until_ready(), (params, state))  # as the seed
             errors.append(state.error.item())
@@ -149,6 +156,120 @@ def compile_counts(mesh, data, start) -> dict[str, Any]:
     }
 
 
+def ill_conditioned(x: np.ndarray) -> np.ndarray:
+    """The features scaled over three orders of magnitude (a fixed random order)."""
+    scales = np.logspace(-1.5, 1.5, x.shape[1]).astype(np.float32)
+    return x * np.random.default_rng(0).permutation(scales)
+
+
+def large_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian features, labels from a random linear model with Gumbel noise."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    w = rng.normal(size=(FEATURES, CLASSES)).astype(np.float32) / np.sqrt(FEATURES)
+    y = np.argmax(x @ w + rng.gumbel(size=(rows, CLASSES)), axis=1).astype(np.int32)
+    return x, y
+
+
+def compare_peers(
+    problem: str, mesh, x: np.ndarray, y: np.ndarray, *, rounds: int, seed_loop: bool
+) -> dict[str, Any]:
+    """Every solver to ||g|| <= TOL on one problem, interleaved, beside one read of X."""
+    rows = NamedSharding(mesh, P("data"))
+    arrays = (jax.device_put(x, rows), jax.device_put(y, rows))
+    data = lbfgs.classification_data(x, y, mesh)
+    start = lbfgs.linear_params(FEATURES, CLASSES)
+    w0 = jnp.zeros((FEATURES, CLASSES), jnp.float32)
+    outcomes: dict[str, tuple[float, float, int, int]] = {}
+
+    def peer(name: str, program) -> Any:
+        def run() -> None:
+            value, norm, iterations, evaluations = jax.block_until_ready(program(w0, arrays))
+            outcomes[name] = (float(value), float(norm), int(iterations), int(evaluations))
+
+        return run
+
+    def meshkit_solve(name: str, solver: lbfgs.LBFGS) -> Any:
+        def run() -> None:
+            s = jax.block_until_ready(solver.solve(start, data, throw=False))
+            outcomes[name] = (
+                float(s.value),
+                float(s.grad_norm),
+                int(s.iterations),
+                int(s.num_evaluations),
+            )
+
+        return run
+
+    read = jax.jit(lambda x: jnp.sum(x, axis=0))
+    candidates: dict[str, Any] = {}
+    if seed_loop:
+        loop = SeedLoop(arrays, max_steps=MAX_STEPS)
+
+        def run_loop() -> None:
+            loop()
+            state = loop.state
+            outcomes["notebook jaxopt loop (ported)"] = (
+                float(state.value),
+                loop.errors[-1],
+                int(state.iter_num),
+                int(state.num_fun_eval),
+            )
+
+        candidates["notebook jaxopt loop (ported)"] = run_loop
+    candidates |= {
+        "jaxopt.LBFGS.run, jitted": peer(
+            "jaxopt.LBFGS.run, jitted", jaxopt_run(tol=TOL, max_steps=MAX_STEPS)
+        ),
+        "optax.lbfgs, jitted loop": peer(
+            "optax.lbfgs, jitted loop", optax_loop(tol=TOL, max_steps=MAX_STEPS)
+        ),
+        "meshkit.lbfgs solve": meshkit_solve(
+            "meshkit.lbfgs solve",
+            lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS),
+        ),
+        "meshkit, m=10 c2=0.9": meshkit_solve(
+            "meshkit, m=10 c2=0.9",
+            lbfgs.LBFGS(
+                lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS, history_size=10, c2=0.9
+            ),
+        ),
+        "one read of X": lambda: jax.block_until_ready(read(arrays[0])),
+    }
+    timings = interleave(candidates, rounds=rounds, warmup=1)
+    title = (
+        f"{problem}: {len(x):,} x {FEATURES} x {CLASSES} to ||g|| <= {TOL}, "
+        f"{jax.device_count()} devices, {rounds} rounds interleaved (compile excluded)"
+    )
+    result = report(title, timings, baseline="meshkit.lbfgs solve", unit="solve")
+    read_s = timings["one read of X"].median
+    result["one_read_of_x_ms"] = 1e3 * read_s
+    result["bandwidth_gb_per_s"] = x.nbytes / read_s / 1e9
+    mine = timings["meshkit.lbfgs solve"].total
+    print(f"  one read of X: {1e3 * read_s:.2f} ms ({result['bandwidth_gb_per_s']:.1f} GB/s)")
+    print(
+        f"  {'solver':<32} {'iters':>6} {'evals':>6} {'ms/eval':>8} {'x read':>7} "
+        f"{'value':>11} {'meshkit/this':>13}"
+    )
+    for name, (value, norm, iterations, evaluations) in outcomes.items():
+        per_eval = 1e3 * timings[name].median / max(evaluations, 1)
+        ratio = mine / timings[name].total
+        result["candidates"][name].update(
+            value=value,
+            grad_norm=norm,
+            iterations=iterations,
+            evaluations=evaluations,
+            ms_per_evaluation=per_eval,
+            evaluation_over_one_read=per_eval / (1e3 * read_s),
+            meshkit_total_over_this=ratio,
+        )
+        print(
+            f"  {name:<32} {iterations:>6} {evaluations:>6} {per_eval:>8.2f} "
+            f"{per_eval / (1e3 * read_s):>7.2f} {value:>11.7f} {ratio:>13.3f}"
+        )
+    return result
+
+
 def scaling(mesh) -> dict[int, dict[str, float]]:
     """meshkit's time per iteration at several row counts (a fixed number of iterations)."""
     solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=0.0, max_steps=SCALING_STEPS)
@@ -181,97 +302,71 @@ def scaling(mesh) -> dict[int, dict[str, float]]:
     return rows_out
 
 
+def first_calls(mesh, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    """Compile time and count of each candidate's first call on the seed's problem."""
+    rows = NamedSharding(mesh, P("data"))
+    arrays = (jax.device_put(x, rows), jax.device_put(y, rows))
+    data = lbfgs.classification_data(x, y, mesh)
+    start = lbfgs.linear_params(FEATURES, CLASSES)
+    w0 = jnp.zeros((FEATURES, CLASSES), jnp.float32)
+    solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS + 1)
+    candidates = {
+        "notebook jaxopt loop (ported)": SeedLoop(arrays),
+        "jaxopt.LBFGS.run, jitted": lambda: jaxopt_run(tol=TOL, max_steps=MAX_STEPS + 1)(
+            w0, arrays
+        ),
+        "optax.lbfgs, jitted loop": lambda: optax_loop(tol=TOL, max_steps=MAX_STEPS + 1)(
+            w0, arrays
+        ),
+        "meshkit.lbfgs solve": lambda: solver.solve(start, data, throw=False),
+    }
+    first = {}
+    for name, run in candidates.items():
+        with meshkit.count_compiles() as log:
+            begin = time.perf_counter()
+            jax.block_until_ready(run())
+            seconds = time.perf_counter() - begin
+        first[name] = {"first_call_s": seconds, "compile_s": log.seconds(), "compiles": log.count()}
+        print(
+            f"  first call {name}: {seconds:.2f} s, compile {log.seconds():.2f} s "
+            f"in {log.count()} programs"
+        )
+    return first
+
+
 def main() -> None:
     mesh = meshkit.make_mesh("data=-1")
     x, y = seed_data(ROWS)
-    rows = NamedSharding(mesh, P("data"))
-    seed_loop = SeedLoop((jax.device_put(x, rows), jax.device_put(y, rows)))
-    data = lbfgs.classification_data(x, y, mesh)
-    solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL)
-    like_jaxopt = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL, history_size=10, c2=0.9)
-    start = lbfgs.linear_params(FEATURES, CLASSES)
-    solutions: dict[str, lbfgs.Solution] = {}
-
-    def solve_with(name: str, solver: lbfgs.LBFGS):
-        def run() -> None:
-            solutions[name] = jax.block_until_ready(solver.solve(start, data, throw=False))
-
-        return run
-
-    run_meshkit = solve_with("meshkit", solver)
-    run_like_jaxopt = solve_with("like_jaxopt", like_jaxopt)
-
-    # First calls: compile time (peak memory is measured in fresh processes, below).
-    first = {}
-    for name, run in (
-        ("seed", seed_loop),
-        ("meshkit", run_meshkit),
-        ("like_jaxopt", run_like_jaxopt),
-    ):
-        with meshkit.count_compiles() as log:
-            begin = time.perf_counter()
-            run()
-            seconds = time.perf_counter() - begin
-        first[name] = {
-            "first_call_s": seconds,
-            "compile_s": log.seconds(),
-            "compiles": log.count(),
-        }
-    candidates = {
-        "notebook jaxopt loop (ported)": seed_loop,
-        "meshkit.lbfgs solve": run_meshkit,
-        "meshkit, m=10 c2=0.9 (jaxopt's)": run_like_jaxopt,
+    result: dict[str, Any] = {"tol": TOL, "max_steps": MAX_STEPS}
+    print("compile (first calls, seed problem):")
+    result["first_calls"] = first_calls(mesh, x, y)
+    result["problems"] = {
+        "seed": compare_peers(
+            "the JAXopt notebook's problem", mesh, x, y, rounds=ROUNDS, seed_loop=True
+        ),
+        "ill_conditioned": compare_peers(
+            "ill-conditioned (features scaled over 1e-1.5 .. 1e1.5)",
+            mesh,
+            ill_conditioned(x),
+            y,
+            rounds=3,
+            seed_loop=True,
+        ),
+        "large": compare_peers(
+            f"{LARGE_ROWS:,} rows (synthetic)",
+            mesh,
+            *large_data(LARGE_ROWS),
+            rounds=3,
+            seed_loop=False,
+        ),
     }
-    timings = interleave(candidates, rounds=ROUNDS, warmup=1)
-    title = (
-        f"L-BFGS to ||g|| <= {TOL}: {ROWS:,} x {FEATURES} x {CLASSES}, "
-        f"{jax.device_count()} devices, {ROUNDS} rounds interleaved (compile excluded)"
-    )
-    result = report(title, timings, baseline="notebook jaxopt loop (ported)")
-    base, mine, alike = (timings[name] for name in candidates)
-    ours, theirs = solutions["meshkit"], solutions["like_jaxopt"]
+    data = lbfgs.classification_data(x, y, mesh)
+    start = lbfgs.linear_params(FEATURES, CLASSES)
+    ours = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL).solve(start, data, throw=False)
     reference, scipy_s = scipy_reference(x, y)
-
-    result.update(
-        ratio_of_totals_meshkit_over_seed=mine.total / base.total,
-        ratio_of_totals_jaxopt_settings_over_seed=alike.total / base.total,
-        seed={
-            "iterations": int(seed_loop.state.iter_num),
-            "evaluations": int(seed_loop.state.num_fun_eval),
-            "final_grad_norm": seed_loop.errors[-1],
-            "value": float(seed_loop.state.value),
-            **first["seed"],
-        },
-        meshkit={
-            "iterations": int(ours.iterations),
-            "evaluations": int(ours.num_evaluations),
-            "final_grad_norm": float(ours.grad_norm),
-            "value": float(ours.value),
-            "status": ours.status.name,
-            **first["meshkit"],
-        },
-        meshkit_jaxopt_settings={
-            "iterations": int(theirs.iterations),
-            "evaluations": int(theirs.num_evaluations),
-            "final_grad_norm": float(theirs.grad_norm),
-            "value": float(theirs.value),
-            **first["like_jaxopt"],
-        },
-        scipy={"value": reference, "seconds": scipy_s},
-        relative_gap_to_scipy=(float(ours.value) - reference) / reference,
-    )
+    result["scipy"] = {"value": reference, "seconds": scipy_s}
+    result["relative_gap_to_scipy"] = (float(ours.value) - reference) / reference
     print(
-        f"\nratio of totals meshkit / seed loop: {result['ratio_of_totals_meshkit_over_seed']:.3f} "
-        f"(with jaxopt's m and c2: {result['ratio_of_totals_jaxopt_settings_over_seed']:.3f})"
-        f"\niterations to ||g|| <= {TOL}: meshkit {result['meshkit']['iterations']} "
-        f"(jaxopt's m and c2: {result['meshkit_jaxopt_settings']['iterations']}), "
-        f"seed loop {result['seed']['iterations']}; evaluations meshkit "
-        f"{result['meshkit']['evaluations']} ({result['meshkit_jaxopt_settings']['evaluations']}), "
-        f"seed loop {result['seed']['evaluations']} (jaxopt's count: each line search also "
-        "re-evaluates the value at its start)"
-        f"\ncompile: meshkit {first['meshkit']['compile_s']:.2f} s "
-        f"({first['meshkit']['compiles']} program), seed loop {first['seed']['compile_s']:.2f} s "
-        f"({first['seed']['compiles']} programs)"
         f"\nfinal objective: meshkit {float(ours.value):.7f}, scipy float64 {reference:.7f} "
         f"(relative gap {result['relative_gap_to_scipy']:.1e}; scipy took {scipy_s:.1f} s)"
     )

@@ -142,6 +142,67 @@ def test_objective_is_exact_for_rows_not_divisible_by_devices(mesh):
     np.testing.assert_allclose(grad["b"], gb, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("row_blocks", [1, 7, 64])
+def test_row_blocks_give_the_exact_objective_and_the_same_solution(mesh, row_blocks):
+    """The gradient as a sum over row blocks (the GPU layout) against numpy and one block."""
+    # 4,990 rows: 2 padded rows on 8 devices, 624 rows per device (6 or 48 blocks of them)
+    x, y = seed_like(rows=4_990, features=8, classes=3)
+    data = lbfgs.classification_data(x, y, mesh)
+    rng = np.random.default_rng(2)
+    params = {
+        "w": rng.normal(size=(8, 3)).astype(np.float32),
+        "b": np.array([0.1, 0, -0.1], np.float32),
+    }
+    solver = make_solver(mesh, row_blocks=row_blocks, tol=1e-5)
+    state = solver.init(params, data, 0.5)
+    value, gw, gb = numpy_objective(params["w"].astype(np.float64), params["b"], x, y, 0.5)
+    np.testing.assert_allclose(float(state.value), value, rtol=2e-6)
+    grad = meshkit.to_host(state.grad)
+    np.testing.assert_allclose(grad["w"], gw, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grad["b"], gb, rtol=1e-4, atol=1e-6)
+    start = lbfgs.linear_params(8, 3, intercept=True)
+    blocked = solver.solve(start, data, 1e-4)
+    plain = make_solver(mesh, row_blocks=1, tol=1e-5).solve(start, data, 1e-4)
+    np.testing.assert_allclose(float(blocked.value), float(plain.value), rtol=1e-6)
+    np.testing.assert_allclose(
+        meshkit.to_host(blocked.params)["w"], meshkit.to_host(plain.params)["w"], atol=1e-3
+    )
+
+
+def test_inverse_hessian_product_matches_the_two_loop_recursion():
+    """The compact form of the product, against the textbook recursion in float64 numpy."""
+    from meshkit.lbfgs._lbfgs import inverse_hessian_product
+
+    rng = np.random.default_rng(1)
+    m, n = 5, 7
+    for num_pairs, newest in [(0, 4), (1, 2), (3, 0), (5, 3)]:
+        s_rows = rng.normal(size=(m, n)).astype(np.float32)
+        y_rows = (s_rows + 0.3 * rng.normal(size=(m, n))).astype(np.float32)
+        v = rng.normal(size=n).astype(np.float32)
+        state = lbfgs.LBFGSState(
+            params=None, value=None, grad=None,
+            s_history={"a": s_rows[:, :3], "b": s_rows[:, 3:]},
+            y_history={"a": y_rows[:, :3], "b": y_rows[:, 3:]},
+            rho_history=jnp.asarray(1 / np.sum(s_rows * y_rows, 1), jnp.float32),
+            newest=jnp.int32(newest), num_pairs=jnp.int32(num_pairs), step_size=None,
+            iteration=None, num_evaluations=None, status=None, value_history=None,
+            grad_norm_history=None,
+        )  # fmt: skip
+        product = inverse_hessian_product(state, {"a": v[:3], "b": v[3:]})
+        got = np.concatenate([product["a"], product["b"]])
+        ages = [(newest - age) % m for age in range(num_pairs)]  # newest first
+        s_rows, y_rows = s_rows.astype(np.float64), y_rows.astype(np.float64)
+        q, alphas = v.astype(np.float64), []
+        for k in ages:
+            alphas.append(s_rows[k] @ q / (s_rows[k] @ y_rows[k]))
+            q -= alphas[-1] * y_rows[k]
+        gamma = s_rows[newest] @ y_rows[newest] / (y_rows[newest] @ y_rows[newest])
+        r = (gamma if num_pairs else 1.0) * q
+        for k, alpha in zip(reversed(ages), reversed(alphas), strict=True):
+            r += (alpha - y_rows[k] @ r / (s_rows[k] @ y_rows[k])) * s_rows[k]
+        np.testing.assert_allclose(got, r, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.devices(8)
 def test_padded_on_8_devices_agrees_with_unpadded_on_1(mesh):
     x, y = seed_like(rows=50_001, features=8, classes=3)

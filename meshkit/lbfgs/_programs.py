@@ -16,7 +16,7 @@ from meshkit.lbfgs import _lbfgs
 from meshkit.lbfgs._checks import Signature, signature
 from meshkit.lbfgs._data import Dataset
 from meshkit.lbfgs._lbfgs import LBFGSState, Options
-from meshkit.lbfgs._objective import L2Mask, PerExampleLoss, make_objective
+from meshkit.lbfgs._objective import L2Mask, PerExampleLoss, make_objective, row_blocks_for
 from meshkit.lbfgs._solution import solution_of
 
 
@@ -29,6 +29,7 @@ class Settings:
     data_axis: str
     l2_mask: L2Mask | None
     param_rules: PartitionRules | None
+    row_blocks: int | None
     options: Options
 
 
@@ -82,25 +83,36 @@ def programs(settings: Settings) -> Programs:
     rows = NamedSharding(settings.mesh, PartitionSpec(settings.data_axis))
     replicated = replicated_sharding(settings.mesh)
 
-    def objective(data: Dataset, l2: jax.Array) -> _lbfgs.ValueAndGrad:
-        return make_objective(settings.loss_fn, data, l2, settings.l2_mask)
+    devices = settings.mesh.shape[settings.data_axis]
+    platform = settings.mesh.devices.flat[0].platform
 
-    def stepper(data: Dataset, l2: jax.Array) -> Callable[[LBFGSState], LBFGSState]:
-        value_and_grad = objective(data, l2)
+    def objective(data: Dataset, l2: jax.Array, params: Any) -> _lbfgs.ValueAndGrad:
+        per_device = row_blocks_for(
+            platform=platform,
+            rows_per_device=data.padded_rows // devices,
+            param_count=sum(leaf.size for leaf in jax.tree.leaves(params)),
+            limit=settings.row_blocks,
+        )
+        return make_objective(
+            settings.loss_fn, data, l2, settings.l2_mask, row_blocks=devices * per_device
+        )
+
+    def stepper(data: Dataset, l2: jax.Array, params: Any) -> Callable[[LBFGSState], LBFGSState]:
+        value_and_grad = objective(data, l2, params)
         return lambda state: _constrain(settings, _lbfgs.step(value_and_grad, state, options))
 
     def init(params: Any, data: Dataset, l2: jax.Array) -> LBFGSState:
-        return _constrain(settings, _lbfgs.init(objective(data, l2), params, options))
+        return _constrain(settings, _lbfgs.init(objective(data, l2, params), params, options))
 
     def step(state: LBFGSState, data: Dataset, l2: jax.Array) -> LBFGSState:
-        return jax.lax.cond(state.status == 0, stepper(data, l2), lambda s: s, state)
+        return jax.lax.cond(state.status == 0, stepper(data, l2, state.params), lambda s: s, state)
 
     def run(state: LBFGSState, data: Dataset, l2: jax.Array, budget: jax.Array) -> LBFGSState:
-        return _lbfgs.run(stepper(data, l2), state, state.iteration + budget)
+        return _lbfgs.run(stepper(data, l2, state.params), state, state.iteration + budget)
 
     def solve(params: Any, data: Dataset, l2: jax.Array) -> Any:
         state = init(params, data, l2)
-        return solution_of(_lbfgs.run(stepper(data, l2), state, options.max_steps))
+        return solution_of(_lbfgs.run(stepper(data, l2, params), state, options.max_steps))
 
     def solve_many(params: Any, data: Dataset, l2: jax.Array) -> Any:
         return jax.vmap(lambda strength: solve(params, data, strength))(l2)
