@@ -142,8 +142,8 @@ def test_objective_is_exact_for_rows_not_divisible_by_devices(mesh):
     np.testing.assert_allclose(grad["b"], gb, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("row_blocks", [1, 7, 64])
-def test_row_blocks_give_the_exact_objective_and_the_same_solution(mesh, row_blocks):
+@pytest.mark.parametrize("gradient_blocks", [1, 7, 64])
+def test_gradient_blocks_give_the_exact_objective_and_the_same_solution(mesh, gradient_blocks):
     """The gradient as a sum over row blocks (the GPU layout) against numpy and one block."""
     # 4,990 rows: 2 padded rows on 8 devices, 624 rows per device (6 or 48 blocks of them)
     x, y = seed_like(rows=4_990, features=8, classes=3)
@@ -153,7 +153,7 @@ def test_row_blocks_give_the_exact_objective_and_the_same_solution(mesh, row_blo
         "w": rng.normal(size=(8, 3)).astype(np.float32),
         "b": np.array([0.1, 0, -0.1], np.float32),
     }
-    solver = make_solver(mesh, row_blocks=row_blocks, tol=1e-5)
+    solver = make_solver(mesh, gradient_blocks=gradient_blocks, tol=1e-5)
     state = solver.init(params, data, 0.5)
     value, gw, gb = numpy_objective(params["w"].astype(np.float64), params["b"], x, y, 0.5)
     np.testing.assert_allclose(float(state.value), value, rtol=2e-6)
@@ -162,7 +162,7 @@ def test_row_blocks_give_the_exact_objective_and_the_same_solution(mesh, row_blo
     np.testing.assert_allclose(grad["b"], gb, rtol=1e-4, atol=1e-6)
     start = lbfgs.linear_params(8, 3, intercept=True)
     blocked = solver.solve(start, data, 1e-4)
-    plain = make_solver(mesh, row_blocks=1, tol=1e-5).solve(start, data, 1e-4)
+    plain = make_solver(mesh, gradient_blocks=1, tol=1e-5).solve(start, data, 1e-4)
     np.testing.assert_allclose(float(blocked.value), float(plain.value), rtol=1e-6)
     np.testing.assert_allclose(
         meshkit.to_host(blocked.params)["w"], meshkit.to_host(plain.params)["w"], atol=1e-3

@@ -73,7 +73,7 @@ def make_objective(
     l2: jax.Array,
     l2_mask: L2Mask | None,
     *,
-    row_blocks: int = 1,
+    gradient_blocks: int = 1,
 ) -> ValueAndGrad:
     """``params -> (value, grad)`` of ``mean(loss over real rows) + l2 / 2 * ||params||²``.
 
@@ -82,7 +82,7 @@ def make_objective(
     with the data sharded over the data axis, the sum is an all-reduce: every device
     ends with the same value and gradient.
 
-    With ``row_blocks > 1`` (it must divide the row count), the rows are split into
+    With ``gradient_blocks > 1`` (it must divide the row count), the rows are split into
     that many blocks and the gradient is the sum of one gradient per block: for a
     linear layer the backward product ``Xᵀ R`` becomes a batched matrix product over
     row blocks, which a GPU runs at its memory bandwidth where the one long
@@ -107,7 +107,7 @@ def make_objective(
         ]
         return 0.5 * l2 * optax.tree.norm(penalised, squared=True)
 
-    if row_blocks == 1:
+    if gradient_blocks == 1:
 
         def objective(params: Any) -> jax.Array:
             mean = data_sum(params, data.batch, data.mask) / count
@@ -116,7 +116,7 @@ def make_objective(
         return jax.value_and_grad(objective)
 
     def blocked(leaf: jax.Array) -> jax.Array:
-        return leaf.reshape(row_blocks, leaf.shape[0] // row_blocks, *leaf.shape[1:])
+        return leaf.reshape(gradient_blocks, leaf.shape[0] // gradient_blocks, *leaf.shape[1:])
 
     batch, mask = jax.tree.map(blocked, data.batch), blocked(data.mask)
 
@@ -133,7 +133,7 @@ def make_objective(
     return value_and_grad
 
 
-def row_blocks_for(
+def gradient_blocks_for(
     *, platform: str, rows_per_device: int, param_count: int, limit: int | None
 ) -> int:
     """How many row blocks per device the objective uses (``1``: one long reduction).

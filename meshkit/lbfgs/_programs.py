@@ -16,7 +16,7 @@ from meshkit.lbfgs import _lbfgs
 from meshkit.lbfgs._checks import Signature, signature
 from meshkit.lbfgs._data import Dataset
 from meshkit.lbfgs._lbfgs import LBFGSState, Options
-from meshkit.lbfgs._objective import L2Mask, PerExampleLoss, make_objective, row_blocks_for
+from meshkit.lbfgs._objective import L2Mask, PerExampleLoss, gradient_blocks_for, make_objective
 from meshkit.lbfgs._solution import solution_of
 
 
@@ -29,7 +29,7 @@ class Settings:
     data_axis: str
     l2_mask: L2Mask | None
     param_rules: PartitionRules | None
-    row_blocks: int | None
+    gradient_blocks: int | None
     options: Options
 
 
@@ -87,14 +87,14 @@ def programs(settings: Settings) -> Programs:
     platform = settings.mesh.devices.flat[0].platform
 
     def objective(data: Dataset, l2: jax.Array, params: Any) -> _lbfgs.ValueAndGrad:
-        per_device = row_blocks_for(
+        per_device = gradient_blocks_for(
             platform=platform,
             rows_per_device=data.padded_rows // devices,
             param_count=sum(leaf.size for leaf in jax.tree.leaves(params)),
-            limit=settings.row_blocks,
+            limit=settings.gradient_blocks,
         )
         return make_objective(
-            settings.loss_fn, data, l2, settings.l2_mask, row_blocks=devices * per_device
+            settings.loss_fn, data, l2, settings.l2_mask, gradient_blocks=devices * per_device
         )
 
     def stepper(data: Dataset, l2: jax.Array, params: Any) -> Callable[[LBFGSState], LBFGSState]:

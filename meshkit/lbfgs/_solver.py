@@ -65,9 +65,9 @@ class LBFGS:
       param_rules: how to shard the parameters (``meshkit.PartitionRules``);
         ``None`` replicates them.
       data_axis: the mesh axis the rows are split over.
-      row_blocks: at most this many row blocks per device for the gradient's sum over
-        rows (the largest count within it that divides the device's rows); ``None``
-        chooses per backend: one on CPUs, up to 256 on GPUs and TPUs, where a batched
+      gradient_blocks: at most this many blocks of rows per device for the gradient's
+        sum over rows (the largest count within it that divides the device's rows);
+        ``None`` chooses per backend: one on CPUs, up to 256 on GPUs and TPUs, where a batched
         product over row blocks reads the data at memory bandwidth and one long
         reduction does not. Any choice gives the same value and gradient up to
         summation order.
@@ -101,7 +101,7 @@ class LBFGS:
     l2_mask: L2Mask | None = None
     param_rules: PartitionRules | None = None
     data_axis: str = "data"
-    row_blocks: int | None = None
+    gradient_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -115,8 +115,8 @@ class LBFGS:
         check_setting("max_steps", self.max_steps, low=1, integer=True)
         check_setting("history_size", self.history_size, low=1, integer=True)
         check_setting("max_linesearch_steps", self.max_linesearch_steps, low=1, integer=True)
-        if self.row_blocks is not None:
-            check_setting("row_blocks", self.row_blocks, low=1, integer=True)
+        if self.gradient_blocks is not None:
+            check_setting("gradient_blocks", self.gradient_blocks, low=1, integer=True)
         if not 0 < self.c1 < self.c2 < 1:
             raise ValueError(
                 f"LBFGS needs 0 < c1 < c2 < 1 for the Wolfe conditions, got c1={self.c1}, "
@@ -143,7 +143,7 @@ class LBFGS:
             data_axis=self.data_axis,
             l2_mask=self.l2_mask,
             param_rules=self.param_rules,
-            row_blocks=self.row_blocks,
+            gradient_blocks=self.gradient_blocks,
             options=self.options,
         )
 
