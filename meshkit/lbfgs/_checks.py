@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshkit._checks import check_int
 from meshkit.lbfgs._data import Dataset
 
 Signature = tuple[Any, ...]
@@ -17,14 +18,15 @@ Signature = tuple[Any, ...]
 
 def check_setting(name: str, value: Any, *, low: float, integer: bool = False) -> None:
     """Raises unless ``value`` is a number (an int when ``integer``) of at least ``low``."""
-    kind = int if integer else (int, float)
-    expected = "an int" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, kind):
+    if integer:
+        check_int(value, name=f"LBFGS {name}", minimum=int(low))
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(
-            f"LBFGS {name} must be {expected} >= {low}, got {type(value).__name__}: {value!r}."
+            f"LBFGS {name} must be a number >= {low}, got {type(value).__name__}: {value!r}."
         )
     if not value >= low:
-        raise ValueError(f"LBFGS {name} must be {expected} >= {low}, got {value!r}.")
+        raise ValueError(f"LBFGS {name} must be a number >= {low}, got {value!r}.")
 
 
 def check_strength(l2: Any, *, batched: bool) -> np.ndarray:

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import optax
 
 from meshkit.lbfgs._objective import ValueAndGrad
-from meshkit.lbfgs._tree import tree_axpy
 
 MIN_SHRINK = 0.1
 """A zoom trial keeps at least this fraction of the bracket's width from either end."""
@@ -92,6 +91,11 @@ def _extrapolate(previous: _Point, current: _Point, ulps: jax.Array) -> jax.Arra
     return jnp.minimum(jnp.clip(guess, low, high), MAX_STEP)
 
 
+def _along(params: Any, step: jax.Array, direction: Any) -> Any:
+    """``params + step * direction``, each leaf in its own dtype."""
+    return optax.tree.cast_like(optax.tree.add_scale(params, step, direction), params)
+
+
 def _choose(flag: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(flag, n, o), new, old)
 
@@ -130,7 +134,7 @@ def zoom_linesearch(
         return ~s.done & ~collapsed & (s.evaluations < max_evaluations)
 
     def body(s: _Search) -> _Search:
-        trial_value, trial_grad = value_and_grad(tree_axpy(s.trial, direction, params))
+        trial_value, trial_grad = value_and_grad(_along(params, s.trial, direction))
         trial = _Point(s.trial, trial_value, jnp.asarray(optax.tree.vdot(trial_grad, direction)))
         finite = jnp.isfinite(trial.value) & jnp.isfinite(trial.slope)
         decrease = (trial.value <= value + c1 * trial.step * slope0) & (trial.value < s.lo.value)
@@ -176,7 +180,7 @@ def zoom_linesearch(
     found = end.lo.step > 0
     return LineSearchResult(
         step=end.lo.step,
-        params=_choose(found, tree_axpy(end.lo.step, direction, params), params),
+        params=_choose(found, _along(params, end.lo.step, direction), params),
         value=end.lo.value,
         grad=end.lo_grad,
         evaluations=end.evaluations,

@@ -7,8 +7,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
+from meshkit._host import place_global, replicated_sharding
 from meshkit._rules import PartitionRules
 from meshkit.lbfgs import _programs
 from meshkit.lbfgs._checks import (
@@ -22,11 +23,6 @@ from meshkit.lbfgs._data import Dataset, check_data_axis
 from meshkit.lbfgs._lbfgs import LBFGSState, Options
 from meshkit.lbfgs._objective import L2Mask, PerExampleLoss
 from meshkit.lbfgs._solution import Solution, raise_if_failed
-
-
-def _put_host(leaf: Any, sharding: NamedSharding) -> jax.Array:
-    host = np.asarray(leaf)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +150,7 @@ class LBFGS:
 
     def _strength(self, l2: Any, *, batched: bool = False) -> jax.Array:
         value = check_strength(l2, batched=batched)
-        return _put_host(value, NamedSharding(self.mesh, PartitionSpec()))
+        return place_global(value, replicated_sharding(self.mesh))
 
     def _check(self, params: Any, data: Any) -> Dataset:
         data = check_dataset(data, self.mesh, self.data_axis)
@@ -168,9 +164,7 @@ class LBFGS:
         def put(leaf: Any, sharding: NamedSharding) -> jax.Array:
             if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
                 return leaf
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
-            return _put_host(leaf, sharding)
+            return place_global(leaf, sharding)
 
         return jax.tree.map(put, params, shardings)
 
@@ -221,7 +215,7 @@ class LBFGS:
                 f"{self.max_steps} and history_size={self.history_size}. Load it with a "
                 "solver built with the same settings."
             )
-        return jax.tree.map(_put_host, tree, _programs.state_shardings(self._settings, tree))
+        return jax.tree.map(place_global, tree, _programs.state_shardings(self._settings, tree))
 
     # ---- the public steps ----
 
@@ -306,8 +300,8 @@ class LBFGS:
         if num_steps is None:
             num_steps = self.max_steps
         check_setting("num_steps", num_steps, low=0, integer=True)
-        budget = _put_host(
-            np.int32(min(num_steps, self.max_steps)), NamedSharding(self.mesh, PartitionSpec())
+        budget = place_global(
+            np.int32(min(num_steps, self.max_steps)), replicated_sharding(self.mesh)
         )
         data = self._check(state.params, data)
         return self._programs().run(state, data, self._strength(l2), budget)
