@@ -82,6 +82,13 @@ class LBFGS:
         >>> w = meshkit.to_host(solution.params).astype(float)
         >>> solution.status.name, np.round(w, 3).tolist()
         ('GRADIENT_TOLERANCE', [1.0, -2.0, 0.5])
+
+        The method examples below continue from a small classification problem:
+
+        >>> x = rng.normal(size=(64, 4)).astype(np.float32)
+        >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
+        >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
+        >>> start = lbfgs.linear_params(4, 2)
     """
 
     loss_fn: PerExampleLoss
@@ -174,13 +181,8 @@ class LBFGS:
         Every process must pass the same values; arrays already placed stay as they are.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> solver.place_params(start).sharding.is_fully_replicated
             True
         """
@@ -223,13 +225,8 @@ class LBFGS:
         """The state before the first iteration (one evaluation of value and gradient).
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> state = solver.init(start, data, l2=0.1)
             >>> int(state.iteration), round(float(state.value), 4)  # log(2) at zero
             (0, 0.6931)
@@ -244,13 +241,8 @@ class LBFGS:
         step ``k - 1`` (e.g. read its ``value``) after dispatching step ``k``.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> state = solver.step(solver.init(start, data, l2=0.1), data, l2=0.1)
             >>> int(state.iteration), float(state.value) < 0.6931
             (1, True)
@@ -262,13 +254,8 @@ class LBFGS:
         """``(done, status_code)`` as arrays: whether ``state`` has stopped, and why.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> done, code = solver.terminate(solver.init(start, data, l2=0.1))
             >>> bool(done), lbfgs.Status(int(code)).name
             (False, 'RUNNING')
@@ -284,13 +271,8 @@ class LBFGS:
         between) compiles once and gives bit for bit the trajectory of one ``run``.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> state = solver.run(solver.init(start, data, l2=0.1), data, l2=0.1, num_steps=3)
             >>> int(state.iteration)
             3
@@ -310,13 +292,8 @@ class LBFGS:
         """The ``Solution`` view of a state; with ``throw``, raises if it failed.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> solution = solver.solution(solver.init(start, data, l2=0.1))
             >>> solution.status.name, int(solution.iterations)
             ('RUNNING', 0)
@@ -340,13 +317,8 @@ class LBFGS:
           The ``Solution``.
 
         Examples:
-            >>> import numpy as np, meshkit
-            >>> from meshkit import lbfgs
-            >>> mesh = meshkit.make_mesh("data=-1")
-            >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-            >>> data = lbfgs.classification_data(x, (x[:, 0] > 0).astype(np.int32), mesh)
-            >>> solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, max_steps=50)
-            >>> start = lbfgs.linear_params(4, 2)
+            With ``data``, ``solver`` and ``start`` from the class example:
+
             >>> solution = solver.solve(start, data, l2=0.1)
             >>> solution.status.name, float(solution.grad_norm) <= solver.tol
             ('GRADIENT_TOLERANCE', True)
