@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import meshkit
+from recipes._args import recipe_parser
 
 DATASETS = {"digits", "mnist", "fashion_mnist", "cifar10"}
 IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": (8, 8, 1)}
@@ -41,7 +41,7 @@ IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = recipe_parser(__doc__, workdir="workdir/data_parallel", progress=True)
     parser.add_argument("--model", default="mnist_cnn", help="mnist_cnn | cifar_net | norm_cnn")
     parser.add_argument("--dataset", default="digits", choices=sorted(DATASETS))
     parser.add_argument("--data-dir", type=Path, help="folder with MNIST IDX or CIFAR-10 files")
@@ -54,14 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--workdir", type=Path, default=Path("workdir/data_parallel"))
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
-    parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
 

@@ -36,15 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import meshkit
+from recipes._args import recipe_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = recipe_parser(__doc__, workdir="workdir/ensemble", progress=True)
     parser.add_argument("--members", type=int, default=8, help="ensemble size K")
     parser.add_argument(
         "--mesh",
@@ -67,14 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
-    parser.add_argument("--workdir", type=Path, default=Path("workdir/ensemble"))
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
-    parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
 

@@ -24,26 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import meshkit
+from recipes._args import recipe_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = recipe_parser(__doc__, workdir="workdir/full_eval")
     parser.add_argument("--batch-size", type=int, default=64, help="global eval batch size")
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--mesh", default="data=-1")
-    parser.add_argument("--workdir", type=Path, default=Path("workdir/full_eval"))
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
     return parser.parse_args(argv)
 
 

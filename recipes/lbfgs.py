@@ -36,28 +36,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import meshkit
+from recipes._args import recipe_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = recipe_parser(__doc__, workdir="workdir/lbfgs")
     parser.add_argument("--num-samples", type=int, default=50_000)
     parser.add_argument("--num-features", type=int, default=784)
     parser.add_argument("--num-classes", type=int, default=10)
     parser.add_argument("--maxiter", type=int, default=100, help="iterations per run (seed: 100)")
     parser.add_argument("--tol", type=float, default=1e-3, help="report when ||g|| <= tol")
-    parser.add_argument("--workdir", type=Path, default=Path("workdir/lbfgs"))
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
     parser.add_argument("--no-single", action="store_true", help="skip the single-device run")
     return parser.parse_args(argv)
 

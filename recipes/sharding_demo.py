@@ -21,21 +21,15 @@ launch); only process 0 prints.
 from __future__ import annotations
 
 import argparse
-import os
 
 import meshkit
+from recipes._args import recipe_parser
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = recipe_parser(__doc__)
     parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
     parser.add_argument("--rules", choices=["fsdp", "replicated"], default="fsdp")
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
     return parser.parse_args()
 
 
