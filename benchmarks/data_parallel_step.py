@@ -2,11 +2,11 @@
 
     python -m benchmarks data_parallel_step        # or: nox -s bench
 
-Three candidates take the same host batch (512 images of 32×32×3, the seed's default
-batch size) and run one SGD step of the seed's net on 8 fake CPU devices, blocking on
-the loss as the seed does when it prints it, interleaved A B C A B C:
+Three candidates take the same host batch (512 images of 32×32×3, the wiki's default
+batch size) and run one SGD step of the wiki's net on 8 fake CPU devices, blocking on
+the loss as the wiki's program does when it prints it, interleaved A B C A B C:
 
-- the seed's ``train_step``, ported with the smallest change; pmap stays pmap;
+- the wiki's ``train_step``, ported with the smallest change; pmap stays pmap;
 - a hand-written ``jax.jit`` step with the same shardings (no meshkit);
 - meshkit's ``make_train_step`` (which also computes accuracy and the gradient norm).
 
@@ -38,7 +38,7 @@ BATCH = 512
 ROUNDS = 30
 
 
-Net = CifarNet  # the seed's net, as written in the seed
+Net = CifarNet  # the wiki's net, as written on the wiki page
 
 
 def loss_fn(params, apply_fn, inputs, targets):
@@ -65,7 +65,7 @@ def hand_written_step(state, batch):
 def whole_run_compiles(mesh) -> dict:
     """Compiles of meshkit's train step over a whole fit: 3 epochs of 1,437 digits at batch 512.
 
-    1,437 is not a multiple of 512: the seed's loop would end each epoch on a 413-image
+    1,437 is not a multiple of 512: the wiki's loop would end each epoch on a 413-image
     batch, which pmap cannot even split over 8 devices; meshkit drops the global remainder.
     """
     import tempfile
@@ -118,7 +118,7 @@ def main() -> None:
         inputs = images.reshape(n, BATCH // n, *images.shape[1:])
         targets = labels.reshape(n, BATCH // n)
         pmap_state, loss = pmap_train_step(pmap_state, inputs, targets)
-        float(loss[0])  # the seed prints the loss every step
+        float(loss[0])  # the wiki's program prints the loss every step
 
     batch_sharding = meshkit.batch_sharding(mesh)
     host_batch = {"image": images, "label": labels}

@@ -3,22 +3,22 @@
     python -m benchmarks.ensemble                  # or: python -m benchmarks ensemble
     python -m benchmarks.ensemble --alternatives   # also the layouts meshkit rejected
 
-On 8 fake CPU devices, every candidate trains an ensemble of the seed's MNIST CNN (SGD,
+On 8 fake CPU devices, every candidate trains an ensemble of the HOWTO's MNIST CNN (SGD,
 learning rate 0.1, momentum 0.9) on the same host batch of 32 images of 28×28×1 (the
-seed's batch size). A call runs 4 steps as a training loop should: step k is
+HOWTO's batch size). A call runs 4 steps as a training loop should: step k is
 dispatched, then step k-1's ensemble accuracy is read, so one step is in flight and
 the host's work overlaps the devices'; the call ends when the last step's state is
 ready. Calls are interleaved A B C ... with a rotating order, and times are per step:
 
-- the seed's program (8 members, one per device), ported with the smallest change:
+- the HOWTO's program (8 members, one per device), ported with the smallest change:
   pmap stays pmap, ``flax.jax_utils.replicate`` and ``unreplicate`` stay;
-- meshkit with K=8 on ``ensemble=8`` (the seed's layout), K=16 on ``ensemble=8`` (two
-  members per device), K=8 on ``ensemble=8`` without donating the state (the seed does
+- meshkit with K=8 on ``ensemble=8`` (the HOWTO's layout), K=16 on ``ensemble=8`` (two
+  members per device), K=8 on ``ensemble=8`` without donating the state (the HOWTO does
   not donate; on XLA's CPU backend a donated state costs a copy of each parameter), and
   K=8 on ``ensemble=4,data=2`` and ``ensemble=2,data=4`` (each member's batch split over
   2 or 4 devices).
 
-Reported: medians and totals, ratios of totals against the seed's program, the time
+Reported: medians and totals, ratios of totals against the HOWTO's program, the time
 per member-step of K=16 against K=8, every compilation, and the compilations of a
 whole ``fit`` run. ``--alternatives`` times the layouts meshkit rejected (``vmap``
 over members under jit, ``lax.map`` and ``vmap`` over a device's members inside
@@ -49,7 +49,7 @@ from benchmarks._harness import interleave, report, save  # noqa: E402
 from meshkit import data, ensemble, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
-CNN = MnistCNN  # the seed's CNN, as written in the seed
+CNN = MnistCNN  # the HOWTO's CNN, as written in the HOWTO
 learning_rate = 0.1
 momentum = 0.9
 batch_size = 32
@@ -58,7 +58,7 @@ ROUNDS = 20
 ALTERNATIVE_ROUNDS = 3
 
 
-# The seed's program. -------------------------------------------------------------
+# The HOWTO's program. ------------------------------------------------------------
 
 
 @functools.partial(jax.pmap, static_broadcasted_argnums=(1, 2))
@@ -90,7 +90,7 @@ def update_model(state, grads):
 
 
 def seed_candidate(images: np.ndarray, labels: np.ndarray):
-    """One step of the seed's ``train_epoch`` loop body, blocking on the accuracy."""
+    """One step of the HOWTO's ``train_epoch`` loop body, blocking on the accuracy."""
     rng = jax.random.PRNGKey(0)
     rng, init_rng = jax.random.split(rng)
     state = create_train_state(
@@ -243,7 +243,7 @@ def one_device(images: np.ndarray, labels: np.ndarray, rounds: int) -> dict:
             timing.seconds = [seconds / steps for seconds in timing.seconds]
         baseline = names["jit(vmap)"] if members == 8 else names["loop"]
         table = report(
-            f"K={members} members of the seed's CNN on one device, batch {batch_size}, "
+            f"K={members} members of the HOWTO's CNN on one device, batch {batch_size}, "
             f"{steps} steps queued per call",
             timings,
             baseline=baseline,
@@ -326,7 +326,7 @@ def alternatives(images: np.ndarray, labels: np.ndarray) -> dict:
     for timing in timings.values():
         timing.seconds = [seconds / STEPS_PER_CALL for seconds in timing.seconds]
     return report(
-        f"ensemble layouts, K members of the seed's CNN, batch {batch_size}, "
+        f"ensemble layouts, K members of the HOWTO's CNN, batch {batch_size}, "
         f"{ALTERNATIVE_ROUNDS} rounds interleaved",
         timings,
         baseline="meshkit K=8 (unrolled)",
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     n = jax.device_count()
     on_cpu = jax.devices()[0].platform == "cpu"
     one = one_device(images, labels, rounds=3 if on_cpu else 5)
-    if n < 8:  # the seed's program needs one device per member
+    if n < 8:  # the HOWTO's program needs one device per member
         save("ensemble", {"one_device": one})
         return
 

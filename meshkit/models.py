@@ -1,4 +1,5 @@
-"""The seeds' networks, as Flax linen modules.
+"""The networks of the Flax ensembling HOWTO, a cluster wiki's Flax page and the "JAX —
+now and future" talk, as Flax linen modules.
 
 Every module takes ``train`` (ignored by modules without dropout or batch norm), so the
 training step can call any of them the same way.
@@ -37,7 +38,7 @@ class MnistCNN(nn.Module):
 class CifarNet(nn.Module):
     """A cluster wiki's LeNet-style CIFAR-10 net: two 5×5 convolutions, pooling, three dense layers.
 
-    As in the seed, convolutions pad to keep their size and pooling uses Flax's default
+    As on the wiki page, convolutions pad to keep their size and pooling uses Flax's default
     stride of 1, so the first dense layer sees 30×30×16 features.
 
     Examples:

@@ -2,7 +2,7 @@
 
 Command (no arguments: 8 members of the Flax ensembling HOWTO's MNIST CNN on the embedded digits,
 resized to 28×28, on 8 fake CPU devices; the mesh is ``ensemble=8``, one member per
-device, the seed's layout)::
+device, the HOWTO's layout)::
 
     python -m recipes.ensemble
 
@@ -20,13 +20,13 @@ Other runs::
 
     python -m recipes.ensemble --members 16                    # two members per device
     python -m recipes.ensemble --mesh ensemble=4,data=2        # each batch over 2 devices
-    python -m recipes.ensemble --same-batches                  # the seed's shared batches
+    python -m recipes.ensemble --same-batches                  # the HOWTO's shared batches
     python -m recipes.ensemble --dataset mnist --data-dir ~/mnist --steps 2000
 
-The seed's settings are the defaults: SGD with learning rate 0.1 and momentum 0.9,
+The HOWTO's settings are the defaults: SGD with learning rate 0.1 and momentum 0.9,
 batch size 32. Each member visits the training set in its own order (more diverse
 members, a better ensemble: measured in docs/ensembles.md); ``--same-batches`` gives
-every member the same batch, as the seed does. Rerunning with the
+every member the same batch, as the HOWTO does. Rerunning with the
 same ``--workdir`` resumes from its last checkpoint; a SIGTERM saves and exits with
 code 75. On several processes the script is unchanged (see ``recipes.data_parallel``).
 """
@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--same-batches",
         action="store_true",
-        help="every member trains on the same batches, as in the seed (default: each member "
-        "visits the data in its own order)",
+        help="every member trains on the same batches, as in the Flax ensembling HOWTO "
+        "(default: each member visits the data in its own order)",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
     parser.add_argument("--steps", type=int, default=200)
@@ -91,7 +91,7 @@ def load_data(args: argparse.Namespace):
     for split in ("train", "test"):
         source = data.mnist(args.data_dir, split)
         arrays = source.getitems(np.arange(len(source)))
-        images = arrays["image"].astype(np.float32) / 255.0  # as the seed's input pipeline
+        images = arrays["image"].astype(np.float32) / 255.0  # as the HOWTO's input pipeline
         sources.append(data.ArraySource({"image": images, "label": arrays["label"]}, name=split))
     return tuple(sources)
 

@@ -1,13 +1,13 @@
 """The JAXopt distributed L-BFGS notebook: full-batch L-BFGS on sharded data vs one device.
 
-Command (no arguments: the seed's multiclass logistic regression on
+Command (no arguments: the notebook's multiclass logistic regression on
 ``make_classification(n_samples=50000, n_features=784, n_classes=10, n_informative=50,
 random_state=0)``, 100 iterations, 8 fake CPU devices)::
 
     python -m recipes.lbfgs
 
 For each of the two runs (rows sharded over a ``data=8`` mesh, and one device) it
-drives ``meshkit.lbfgs.LBFGS`` step by step as the seed's notebook does (blocking on
+drives ``meshkit.lbfgs.LBFGS`` step by step as the notebook does (blocking on
 every step, to time it), then times the same 100 iterations as one program
 (``solve``: one dispatch). Expected result, in 70 s or so on a 2-core machine (the
 times vary with the machine and its load; the iterations and values do not)::
@@ -19,7 +19,7 @@ times vary with the machine and its load; the iterations and values do not)::
     ratio of total times, single device / sharded: step loop 1.10x, one program 1.28x
     {"num_samples": 50000, ..., "max_relative_value_difference": 1.5e-07, ...}
 
-and, in ``workdir/lbfgs``, the seed's two plots, ``grad_norm.png`` (gradient norm per
+and, in ``workdir/lbfgs``, the notebook's two plots, ``grad_norm.png`` (gradient norm per
 iteration, log scale) and ``step_time.png`` (seconds per step), plus ``summary.json``.
 
 Both runs follow the same iterates (to float rounding): the sharded objective is the
@@ -28,7 +28,7 @@ machine's two cores, so sharding cannot speed the solve up beyond what those two
 give (a single CPU device mostly uses one of them, which is why the sharded run can
 still come out faster); the point here is correctness and one dispatch. On real
 multi-device hardware (a GPU node, a TPU slice) the same script splits the rows over
-the devices and the speed-up shows. The seed reported a mean of per-step ratios; this
+the devices and the speed-up shows. The notebook reported a mean of per-step ratios; this
 recipe prints ratios of total times.
 """
 
@@ -49,21 +49,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=50_000)
     parser.add_argument("--num-features", type=int, default=784)
     parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--maxiter", type=int, default=100, help="iterations per run (seed: 100)")
+    parser.add_argument(
+        "--maxiter", type=int, default=100, help="iterations per run (the notebook: 100)"
+    )
     parser.add_argument("--tol", type=float, default=1e-3, help="report when ||g|| <= tol")
     parser.add_argument("--no-single", action="store_true", help="skip the single-device run")
     return parser.parse_args(argv)
 
 
 def run(name: str, mesh: Any, x: Any, y: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The seed's loop (one step per dispatch, timed) and the same iterations as one program."""
+    """The notebook's loop (one step per dispatch, timed) and the same iterations as one program."""
     import jax
     import numpy as np
 
     from meshkit import lbfgs
 
     data = lbfgs.classification_data(x, y, mesh, num_classes=args.num_classes)
-    # tol=0: run exactly maxiter iterations, as the seed does.
+    # tol=0: run exactly maxiter iterations, as the notebook does.
     solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=0.0, max_steps=args.maxiter)
     start = lbfgs.linear_params(args.num_features, args.num_classes)
 
@@ -112,7 +114,7 @@ def run(name: str, mesh: Any, x: Any, y: Any, args: argparse.Namespace) -> dict[
 
 
 def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[Path]:
-    """The seed's two figures: gradient norm (log scale) and step time per iteration."""
+    """The notebook's two figures: gradient norm (log scale) and step time per iteration."""
     import matplotlib
 
     matplotlib.use("Agg")

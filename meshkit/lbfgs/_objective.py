@@ -149,7 +149,8 @@ def gradient_blocks_for(
 
 
 def multiclass_logreg(params: Any, batch: Any) -> jax.Array:
-    """Per-example softmax cross-entropy of a linear model: the seed's objective, unaveraged.
+    """Per-example softmax cross-entropy of a linear model, unaveraged: the JAXopt
+    notebook's objective.
 
     Args:
       params: a weight matrix ``w[F, K]``, or ``{"w": w[F, K], "b": b[K]}`` with an

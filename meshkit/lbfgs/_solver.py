@@ -46,8 +46,8 @@ class LBFGS:
     Attributes:
       loss_fn: ``loss_fn(params, batch) -> losses[rows]``, one loss per example.
       mesh: the mesh; it needs the axis ``data_axis``.
-      tol: stop when the gradient's Euclidean norm is at most ``tol`` (the seed's
-        ``jaxopt.LBFGS`` default, ``1e-3``).
+      tol: stop when the gradient's Euclidean norm is at most ``tol`` (the JAXopt
+        notebook's ``jaxopt.LBFGS`` default, ``1e-3``).
       rtol: stop when one iteration decreases the objective by at most ``rtol``
         relative to ``max(|f|, 1)``; ``0`` turns this test off.
       max_steps: the most iterations; also the length of the history arrays.
