@@ -34,8 +34,9 @@ def _check_axes(mesh: Mesh, ensemble_axis: str, data_axis: str) -> None:
             f"The mesh has axes {shape} but no {ensemble_axis!r} axis, which an ensemble's "
             f"members are split over. Build the mesh with one, e.g. "
             f"meshkit.make_mesh('{ensemble_axis}=-1') for one member group per device "
-            f"(the seed's layout) or meshkit.make_mesh('{ensemble_axis}=2,{data_axis}=-1') to "
-            f"also split each batch; the sizes must multiply to the {devices} devices."
+            f"(the Flax ensembling HOWTO's layout) or "
+            f"meshkit.make_mesh('{ensemble_axis}=2,{data_axis}=-1') to also split each batch; "
+            f"the sizes must multiply to the {devices} devices."
         )
     if data_axis == ensemble_axis:
         raise ValueError(

@@ -50,10 +50,11 @@ def make_predict(
     ``inputs`` is a batch sharded like ``layout.batch_sharding`` (e.g. from
     ``meshkit.shard_batch``). ``probabilities`` (``[rows, classes]``, split over
     ``data``) is the ensemble's prediction: the average of the K members' softmax
-    probabilities, as in the ``pmap`` seed; ``member_logits`` (``[K, rows, classes]``,
-    split over ``ensemble`` and ``data``) holds every member's own output. Members run
-    in inference mode, batched or one after the other as ``strategy`` says (see
-    ``make_ensemble_step``). The same function is returned for equal arguments.
+    probabilities, as in the Flax ensembling HOWTO's ``pmap`` program; ``member_logits``
+    (``[K, rows, classes]``, split over ``ensemble`` and ``data``) holds every member's
+    own output. Members run in inference mode, batched or one after the other as
+    ``strategy`` says (see ``make_ensemble_step``). The same function is returned for
+    equal arguments.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit

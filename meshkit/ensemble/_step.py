@@ -278,8 +278,9 @@ def make_ensemble_step(
         ``meshkit.train`` loss function works too (no ensemble metrics then).
       layout: the ``EnsembleLayout`` the state was built with.
       member_batches: ``False`` (default): every member sees the same batch, as in
-        the ``pmap`` seed. ``True``: batches from ``MemberTrainPipeline``, whose fields
-        are ``[rows, K, ...]``, give each member its own data order.
+        the Flax ensembling HOWTO's ``pmap`` program. ``True``: batches from
+        ``MemberTrainPipeline``, whose fields are ``[rows, K, ...]``, give each member
+        its own data order.
       member_metrics: report the ``member_<i>/...`` scalars (default). Each is one
         more output of the step; ``meshkit.train.fit`` sums them on the device with
         the rest, but a loop of your own that reads them pays per scalar. ``False``
