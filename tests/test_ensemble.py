@@ -288,6 +288,46 @@ def test_members_with_batch_norm_and_dropout_keep_their_own_statistics():
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
+def test_member_classification_loss_is_train_classification_loss_with_logits():
+    mesh = meshkit.make_mesh("data=-1")
+    state = train.create_train_state(tiny_model(NormCNN()), TX, mesh)
+    batch = {key: jnp.asarray(value) for key, value in host_batches(1)[0].items()}
+    args = (state.params, state, batch, jax.random.key(3))
+    member_loss, member_out = ensemble.classification_loss(*args)
+    loss, out = train.classification_loss(*args)
+    np.testing.assert_allclose(member_loss, loss, rtol=1e-6)
+    assert_trees_close(member_out.metrics, out.metrics, rtol=1e-6)
+    assert_trees_close(member_out.collections, out.collections, rtol=1e-6)
+    assert member_out.logits is not None and member_out.logits.shape == (BATCH, 10)
+
+
+def test_a_train_loss_reports_its_own_metrics_for_every_member():
+    def margin_loss(params, state, batch, rng):
+        loss, out = train.classification_loss(params, state, batch, rng)
+        return loss, train.LossOutput(
+            out.collections, {"margin": 2 * loss, "count": jnp.asarray(3)}
+        )
+
+    layout = layout_for(2)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
+    batch = host_batches(1)[0]
+    expected = [
+        train.classification_loss(m.params, m, jax.tree.map(jnp.asarray, batch), m.step_rng())[0]
+        for m in (ensemble.member_state(state, i) for i in range(2))
+    ]
+    step = ensemble.make_ensemble_step(margin_loss, layout, donate=False)
+    metrics = meshkit.to_host(step(state, meshkit.shard_batch(batch, layout.batch_sharding))[1])
+    assert sorted(metrics) == sorted(
+        ["loss", "grad_norm"]
+        + [ensemble.member_metric_name(i, n) for i in range(2) for n in ("loss", "margin", "count")]
+    )
+    np.testing.assert_allclose(ensemble.per_member(metrics, "loss"), expected, rtol=1e-5)
+    np.testing.assert_allclose(
+        ensemble.per_member(metrics, "margin"), 2 * np.array(expected), rtol=1e-5
+    )
+    np.testing.assert_array_equal(ensemble.per_member(metrics, "count"), [3, 3])
+
+
 def test_member_batches_give_each_member_its_own_order():
     layout = layout_for(2)
     source = data.digits("train")

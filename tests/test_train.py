@@ -54,6 +54,21 @@ def test_loss_decreases_and_batch_stats_update():
     assert int(state.step) == 40
 
 
+def test_apply_model_updates_collections_in_training_mode_only():
+    state, _, _ = setup(meshkit.make_mesh("data=-1"))
+    images = jnp.asarray(data.digits("train").getitems(np.arange(16))["image"])
+    logits, collections = train.apply_model(state, images, rng=jax.random.key(0))
+    before = meshkit.to_host(state.collections)
+    after = meshkit.to_host(collections)
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    assert not np.allclose(after["batch_stats"]["BatchNorm_0"]["mean"], 0)
+    assert logits.shape == (16, 10)
+    inference, unchanged = train.apply_model(state, images)
+    assert unchanged == {}
+    expected = state.apply_fn(state.variables(), images, train=False)
+    np.testing.assert_allclose(np.asarray(inference), np.asarray(expected), rtol=1e-6)
+
+
 @pytest.mark.devices(8)
 def test_one_device_and_eight_devices_reach_the_same_params():
     one, losses_one = run_steps(meshkit.make_mesh("data=1", devices=jax.devices()[:1]), 10)
