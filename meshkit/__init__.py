@@ -16,6 +16,7 @@ from meshkit._host import replicate as replicate
 from meshkit._host import to_host as to_host
 from meshkit._inflight import InFlight as InFlight
 from meshkit._inflight import default_max_in_flight as default_max_in_flight
+from meshkit._mesh import DATA_AXIS as DATA_AXIS
 from meshkit._mesh import DEFAULT_AXIS_TYPE as DEFAULT_AXIS_TYPE
 from meshkit._mesh import make_mesh as make_mesh
 from meshkit._mesh import parse_axes as parse_axes
@@ -23,5 +24,8 @@ from meshkit._rules import FSDP as FSDP
 from meshkit._rules import PartitionRules as PartitionRules
 from meshkit._rules import Placement as Placement
 from meshkit._rules import infer_shardings as infer_shardings
+from meshkit._types import Batch as Batch
+from meshkit._types import Metrics as Metrics
+from meshkit._types import PerExampleFn as PerExampleFn
 
 __version__ = "0.1.0"

@@ -14,14 +14,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._checks import check_int
-from meshkit._mesh import check_axis_names
+from meshkit._mesh import DATA_AXIS, check_axis_names
 from meshkit._pytree import leading_rows
 from meshkit._specs import spec_axis_names
 
-DEFAULT_DATA_AXIS = "data"
 
-
-def batch_sharding(mesh: Mesh, data_axes: str | Sequence[str] = DEFAULT_DATA_AXIS) -> NamedSharding:
+def batch_sharding(mesh: Mesh, data_axes: str | Sequence[str] = DATA_AXIS) -> NamedSharding:
     """The sharding of a batch: leading (example) dimension split over ``data_axes``.
 
     Every other dimension is replicated. Axes of the mesh that are not in

@@ -7,11 +7,13 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 
-def replicated_sharding(mesh: Mesh) -> NamedSharding:
+def replicated_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """The sharding that puts a full copy of an array on every device of ``mesh``.
+
+    An ``AbstractMesh`` (a sharding's mesh inside a trace) gives an abstract sharding.
 
     Examples:
         >>> import meshkit

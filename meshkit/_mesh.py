@@ -29,6 +29,13 @@ flax linen modules and jaxopt solvers are written for: both run unchanged on an
 ``jax.set_mesh(mesh)``.
 """
 
+DATA_AXIS = "data"
+"""The mesh axis batch rows are split over unless a caller names another (``data_axis=``).
+
+Every meshkit default that means "the data axis" is this name: ``batch_sharding``,
+the evaluation entry points, ``FSDP``, ``EnsembleLayout``, the L-BFGS data.
+"""
+
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -135,12 +142,12 @@ def _resolve_dcn_axes(
     if dcn_axes is None:
         if num_slices == 1:
             return dict.fromkeys(sizes, 1)
-        if "data" in sizes and sizes["data"] % num_slices == 0:
-            return {name: (num_slices if name == "data" else 1) for name in sizes}
+        if DATA_AXIS in sizes and sizes[DATA_AXIS] % num_slices == 0:
+            return {name: (num_slices if name == DATA_AXIS else 1) for name in sizes}
         raise ValueError(
             f"The devices span {num_slices} slices, so the mesh needs dcn_axes saying which "
             f"axes cross slices; mesh axes are {dict(sizes)}. Pass e.g. "
-            f"dcn_axes={{'data': {num_slices}}}."
+            f"dcn_axes={{'{DATA_AXIS}': {num_slices}}}."
         )
     parsed = parse_axes(dcn_axes)
     if num_slices == 1 and any(size != 1 for size in parsed.values()):
@@ -226,7 +233,7 @@ def make_mesh(
         ``"data=-1,ensemble=2"``. One axis may be ``-1`` to take the remaining devices.
       dcn_axes: for devices spanning several slices (multi-slice TPU pods, multi-node
         GPU jobs), how many slices each axis spans, e.g. ``{"data": 2}``. Defaults to
-        putting all slices on the ``data`` axis.
+        putting all slices on the ``data`` axis (``DATA_AXIS``).
       axis_types: one ``jax.sharding.AxisType`` for all axes, or a mapping per axis.
         Defaults to ``AxisType.Auto`` (see ``DEFAULT_AXIS_TYPE``); it is always passed
         explicitly to JAX.
@@ -256,3 +263,23 @@ def check_axis_names(mesh: Mesh, names: Sequence[str], *, what: str) -> None:
             f"Unknown mesh axis {unknown[0]!r} in {what}; the mesh has axes "
             f"{dict(mesh.shape)}. Use one of {list(mesh.axis_names)} or add the axis to the mesh."
         )
+
+
+def check_data_axis(mesh: Any, data_axis: str, *, where: str) -> Mesh:
+    """Returns ``mesh``; raises a clear error unless it is a ``Mesh`` with an axis ``data_axis``.
+
+    ``where`` names the caller in the message (``"full_eval"``).
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{where} needs a jax.sharding.Mesh, got {type(mesh).__name__}: {mesh!r}. Build "
+            f"one with meshkit.make_mesh('{DATA_AXIS}=-1')."
+        )
+    if not isinstance(data_axis, str) or data_axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where} got data_axis={data_axis!r}, but the mesh has axes {dict(mesh.shape)} "
+            f"and none is named {data_axis!r}, so there is no axis to split the rows over. "
+            f"Pass data_axis=<one of {list(mesh.axis_names)}>, or build the mesh with that "
+            f"axis, e.g. meshkit.make_mesh('{data_axis}=-1')."
+        )
+    return mesh

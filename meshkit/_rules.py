@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshkit._mesh import check_axis_names
+from meshkit._mesh import DATA_AXIS, check_axis_names
 from meshkit._pytree import path_str
 from meshkit._specs import entry_axis_names, spec_axis_names
 
@@ -33,7 +33,7 @@ class FSDP:
       min_size: leaves with fewer elements than this are replicated.
     """
 
-    axis: str | tuple[str, ...] = "data"
+    axis: str | tuple[str, ...] = DATA_AXIS
     min_size: int = 2**14
 
     def __post_init__(self) -> None:
@@ -110,7 +110,9 @@ class PartitionRules:
         self.default = default
 
     @classmethod
-    def fsdp(cls, axis: str | tuple[str, ...] = "data", *, min_size: int = 2**14) -> PartitionRules:
+    def fsdp(
+        cls, axis: str | tuple[str, ...] = DATA_AXIS, *, min_size: int = 2**14
+    ) -> PartitionRules:
         """Rules that FSDP-shard every leaf with at least ``min_size`` elements over ``axis``."""
         return cls([(".*", FSDP(axis, min_size))])
 

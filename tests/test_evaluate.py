@@ -119,6 +119,69 @@ def test_pad_shard_unpad_rejects_mismatched_rows():
         wrapped(np.ones(3), np.ones(4))
 
 
+def _batch_axis_mesh() -> jax.sharding.Mesh:
+    """A mesh whose rows go over an axis named ``batch``, beside a ``model`` axis."""
+    return meshkit.make_mesh(f"model={2 if D % 2 == 0 else 1},batch=-1")
+
+
+def test_a_data_axis_of_another_name_gives_the_same_results():
+    mesh, other = meshkit.make_mesh("data=-1"), _batch_axis_mesh()
+    data = arrays(37)
+    default = full_eval(per_example, 3.0, data, mesh=mesh, batch_size=16, collect=["pred"])
+    named = full_eval(
+        per_example, 3.0, data, mesh=other, batch_size=16, collect=["pred"], data_axis="batch"
+    )
+    assert named.metrics == default.metrics and named.count == default.count == 37
+    np.testing.assert_array_equal(named.per_example["pred"], default.per_example["pred"])
+
+    streams = [
+        stream_eval(
+            lambda _, b: {"x": b["x"]},
+            None,
+            filtered(100, 8 * jax.local_device_count()),
+            mesh=m,
+            rows_per_process=8 * jax.local_device_count(),
+            data_axis=axis,
+        )
+        for m, axis in ((mesh, meshkit.DATA_AXIS), (other, "batch"))
+    ]
+    assert streams[0] == streams[1] and streams[1].count == 66
+
+    identity = jax.jit(lambda x: x)
+    x = np.arange(6.0 * 3).reshape(6, 3)
+    wrapped = pad_shard_unpad(identity, other, static_argnums=(), data_axis="batch")
+    np.testing.assert_array_equal(wrapped(x), pad_shard_unpad(identity, mesh, static_argnums=())(x))
+    placed = pad_shard_unpad(
+        identity, other, static_argnums=(), static_return=True, data_axis="batch"
+    )
+    assert placed(x).sharding.spec == jax.P("batch")
+
+
+def test_a_data_axis_the_mesh_lacks_is_named_in_the_error():
+    other = _batch_axis_mesh()
+    expected = r"data_axis='data', but the mesh has axes \{'model': \d+, 'batch': \d+\}"
+    with pytest.raises(ValueError, match="full_eval got " + expected):
+        full_eval(per_example, 3.0, arrays(4), mesh=other, batch_size=B)
+    with pytest.raises(ValueError, match="stream_eval got " + expected):
+        stream_eval(per_example, 3.0, [arrays(4)], mesh=other, rows_per_process=B)
+    with pytest.raises(ValueError, match="pad_shard_unpad got " + expected):
+        pad_shard_unpad(jax.jit(lambda x: x), other, static_argnums=())
+    with pytest.raises(
+        ValueError, match=r"data_axis='rows'.*Pass data_axis=<one of \['model', 'batch'\]>"
+    ):
+        full_eval(per_example, 3.0, arrays(4), mesh=other, batch_size=B, data_axis="rows")
+
+
+def test_data_axis_is_for_meshes_only():
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    pipeline = EvalPipeline(ArraySource(arrays(4)), global_batch_size=B, sharding=sharding)
+    with pytest.raises(ValueError, match="data_axis='batch' with an EvalPipeline"):
+        full_eval(per_example, 3.0, pipeline, data_axis="batch")
+    with pytest.raises(ValueError, match="data_axis='batch' and a batch sharding"):
+        pad_shard_unpad(jax.jit(lambda x: x), sharding, data_axis="batch")
+
+
 def filtered(n: int, batch: int):
     x = np.arange(n, dtype=np.float32)
     for start in range(0, n, batch):

@@ -8,9 +8,9 @@ import math
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._checks import check_int
+from meshkit._mesh import DATA_AXIS
 
 ENSEMBLE_AXIS = "ensemble"
-DATA_AXIS = "data"
 
 
 def _divisors(n: int) -> list[int]:

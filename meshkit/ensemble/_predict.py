@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshkit._types import PerExampleFn
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import member_metric_name
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
 from meshkit.train import TrainState, apply_model
-
-PerExampleFn = Callable[[TrainState, Mapping[str, jax.Array]], dict[str, jax.Array]]
 
 
 def _member_logits(

@@ -20,14 +20,12 @@ import optax
 from jax.sharding import PartitionSpec
 
 from meshkit._host import replicated_sharding
+from meshkit._types import Batch, Metrics
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import flatten_member_metrics
 from meshkit.ensemble._state import num_members_of
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
 from meshkit.train import LossOutput, TrainState, apply_model
-
-Batch = Mapping[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 class MemberOutput(NamedTuple):

@@ -14,8 +14,10 @@ from jax.sharding import Mesh
 from meshkit._batch import batch_sharding
 from meshkit._host import replicated_sharding, to_host
 from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._mesh import DATA_AXIS, check_data_axis
+from meshkit._types import PerExampleFn
 from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
-from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +53,18 @@ def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mes
 
 
 def _as_pipeline(
-    data: EvalPipeline | Mapping[str, np.ndarray], mesh: Mesh | None, batch_size: int | None
+    data: EvalPipeline | Mapping[str, np.ndarray],
+    mesh: Mesh | None,
+    batch_size: int | None,
+    data_axis: str,
 ) -> EvalPipeline:
     if isinstance(data, EvalPipeline):
-        if mesh is not None or batch_size is not None:
+        if mesh is not None or batch_size is not None or data_axis != DATA_AXIS:
             raise ValueError(
-                "full_eval takes mesh and batch_size only for in-memory arrays; an "
-                "EvalPipeline already has its sharding and global batch size."
+                "full_eval takes mesh, batch_size and data_axis only for in-memory arrays; "
+                f"got mesh={mesh!r}, batch_size={batch_size!r}, data_axis={data_axis!r} with "
+                "an EvalPipeline, which already has its sharding and global batch size. "
+                "Drop them, or set them on the EvalPipeline."
             )
         return data
     if mesh is None or batch_size is None:
@@ -65,9 +72,9 @@ def _as_pipeline(
             "full_eval on in-memory arrays needs mesh= and batch_size= (the global batch "
             f"size, a multiple of the data axis); got mesh={mesh!r}, batch_size={batch_size!r}."
         )
-    return EvalPipeline(
-        ArraySource(data), global_batch_size=batch_size, sharding=batch_sharding(mesh)
-    )
+    mesh = check_data_axis(mesh, data_axis, where="full_eval")
+    sharding = batch_sharding(mesh, data_axis)
+    return EvalPipeline(ArraySource(data), global_batch_size=batch_size, sharding=sharding)
 
 
 def full_eval(
@@ -78,6 +85,7 @@ def full_eval(
     mesh: Mesh | None = None,
     batch_size: int | None = None,
     collect: Sequence[str] = (),
+    data_axis: str = DATA_AXIS,
 ) -> EvalResult:
     """Evaluates ``per_example_fn`` on every example exactly once.
 
@@ -95,10 +103,12 @@ def full_eval(
       state: passed to ``per_example_fn`` (e.g. a train state or parameters).
       data: an ``EvalPipeline``, or a dict of in-memory arrays with ``mesh`` and
         ``batch_size`` (global) given.
-      mesh: the mesh, for in-memory arrays (the batch is split over ``data``).
+      mesh: the mesh, for in-memory arrays (the batch is split over ``data_axis``).
       batch_size: the global batch size, for in-memory arrays.
       collect: names of per-example values to return in dataset order (e.g.
         predictions) instead of averaging them.
+      data_axis: the mesh axis the rows are split over, for in-memory arrays (an
+        ``EvalPipeline`` has its own sharding).
 
     Returns:
       An ``EvalResult``.
@@ -116,7 +126,7 @@ def full_eval(
         >>> result.count, result.metrics["error"], result.per_example["pred"][-3:].tolist()
         (10, 0.0, [14.0, 16.0, 18.0])
     """
-    pipeline = _as_pipeline(data, mesh, batch_size)
+    pipeline = _as_pipeline(data, mesh, batch_size, data_axis)
     collect = tuple(collect)
     pipeline_mesh = pipeline.sharding.mesh
     assert isinstance(pipeline_mesh, Mesh)

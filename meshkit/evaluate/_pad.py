@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshkit._batch import batch_sharding, data_shard, pad_rows, row_blocks, shard_batch
 from meshkit._host import to_host
+from meshkit._mesh import DATA_AXIS, check_data_axis
 from meshkit._pytree import leading_rows
 
 
@@ -30,6 +31,20 @@ def _padded_rows(rows: int, min_batch: int | None, multiple: int) -> int:
     return max(multiple, -(-target // multiple) * multiple)
 
 
+def _batch_sharding(sharding: Mesh | NamedSharding, data_axis: str) -> NamedSharding:
+    """The batch sharding: over ``data_axis`` of a mesh, or the sharding given."""
+    if not isinstance(sharding, NamedSharding):
+        mesh = check_data_axis(sharding, data_axis, where="pad_shard_unpad")
+        return batch_sharding(mesh, data_axis)
+    if data_axis != DATA_AXIS:
+        raise ValueError(
+            f"pad_shard_unpad got data_axis={data_axis!r} and a batch sharding "
+            f"({sharding.spec}), which already names its data axes. Pass the mesh "
+            "instead, or drop data_axis."
+        )
+    return sharding
+
+
 def pad_shard_unpad(
     fn: Callable[..., Any],
     sharding: Mesh | NamedSharding,
@@ -38,6 +53,7 @@ def pad_shard_unpad(
     min_batch: int | None = None,
     static_return: bool = False,
     with_mask: bool = False,
+    data_axis: str = DATA_AXIS,
 ) -> Callable[..., Any]:
     """Wraps a jitted ``fn`` so it takes any number of rows and returns exactly those rows.
 
@@ -55,11 +71,12 @@ def pad_shard_unpad(
 
     Args:
       fn: the function to call, typically ``jax.jit``-compiled.
-      sharding: a mesh (the batch goes over its ``data`` axis) or a batch sharding.
+      sharding: a mesh (the batch goes over its ``data_axis`` axis) or a batch sharding.
       static_argnums: positions of arguments that are not batched (parameters).
       min_batch: rows to pad every call to (per process).
       static_return: return ``fn``'s outputs without unpadding.
       with_mask: pass ``mask=`` (``True`` on real rows) to ``fn``.
+      data_axis: the mesh axis the rows are split over, when ``sharding`` is a mesh.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, meshkit
@@ -70,7 +87,7 @@ def pad_shard_unpad(
         >>> padded(jnp.ones((3, 2)), np.ones((5, 3))).shape
         (5, 2)
     """
-    batch = batch_sharding(sharding) if isinstance(sharding, Mesh) else sharding
+    batch = _batch_sharding(sharding, data_axis)
     blocks = row_blocks(batch)
 
     @functools.wraps(fn)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -12,9 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshkit._host import replicated_sharding
-
-PerExampleFn = Callable[[Any, Mapping[str, jax.Array]], Mapping[str, jax.Array]]
-"""``fn(state, batch) -> {"metric": per-example values of shape [batch]}``."""
+from meshkit._types import PerExampleFn
 
 Totals = dict[str, jax.Array]
 

@@ -13,10 +13,12 @@ from jax.sharding import Mesh
 
 from meshkit._batch import batch_sharding, pad_rows, row_blocks, shard_batch
 from meshkit._host import replicated_sharding, to_host
+from meshkit._mesh import DATA_AXIS, check_data_axis
 from meshkit._pytree import leading_rows
+from meshkit._types import PerExampleFn
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
-from meshkit.evaluate._steps import PerExampleFn, Totals, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
 
 
 @functools.lru_cache(maxsize=32)
@@ -52,6 +54,7 @@ def stream_eval(
     mesh: Mesh,
     rows_per_process: int,
     template: Record | None = None,
+    data_axis: str = DATA_AXIS,
 ) -> EvalResult:
     """Evaluates data of unknown length, e.g. a filtered dataset, exactly once per example.
 
@@ -66,10 +69,11 @@ def stream_eval(
       per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``.
       state: passed to ``per_example_fn``.
       local_batches: this process's batches (dicts of arrays with a leading row axis).
-      mesh: the mesh; batches go over its ``data`` axis.
+      mesh: the mesh; batches go over its ``data_axis`` axis.
       rows_per_process: rows each process contributes per step.
       template: one record batch giving field shapes and dtypes, needed only by a
         process that may have no data at all.
+      data_axis: the mesh axis the rows are split over.
 
     Returns:
       An ``EvalResult`` with the metric means and the count (``per_example`` is empty).
@@ -87,7 +91,8 @@ def stream_eval(
         >>> result.count, result.metrics["x"]
         (50, 50.0)
     """
-    sharding = batch_sharding(mesh)
+    mesh = check_data_axis(mesh, data_axis, where="stream_eval")
+    sharding = batch_sharding(mesh, data_axis)
     blocks = row_blocks(sharding)
     if rows_per_process % blocks.shards_per_block:
         raise ValueError(

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from meshkit._compiles import count_compiles
 from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._types import Batch, Metrics, PerExampleFn
 from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
 from meshkit.evaluate import full_eval
 from meshkit.train._checkpoint import Checkpointer, PreemptionWatcher, abstract_like
@@ -29,7 +30,7 @@ from meshkit.train._interval import (
     zero_interval,
 )
 from meshkit.train._state import TrainState
-from meshkit.train._step import Batch, Metrics, PerExampleFn, classification_metrics
+from meshkit.train._step import classification_metrics
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -11,10 +11,8 @@ import optax
 from jax.sharding import NamedSharding
 
 from meshkit._host import replicated_sharding
+from meshkit._types import Batch, Metrics
 from meshkit.train._state import TrainState
-
-Batch = Mapping[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 class LossOutput(NamedTuple):
@@ -31,9 +29,6 @@ class LossOutput(NamedTuple):
 
 LossFn = Callable[[Any, TrainState, Batch, jax.Array], tuple[jax.Array, LossOutput]]
 """``loss_fn(params, state, batch, rng) -> (loss, LossOutput)``: differentiated w.r.t. params."""
-
-PerExampleFn = Callable[[TrainState, Batch], Mapping[str, jax.Array]]
-"""``fn(state, batch) -> {"name": values of shape [batch]}``, for evaluation."""
 
 
 def apply_model(
