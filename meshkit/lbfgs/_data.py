@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._batch import pad_rows
 from meshkit._host import place_global
+from meshkit._mesh import DATA_AXIS
 from meshkit._pytree import leading_rows
 
 
@@ -71,7 +72,7 @@ def _check_host_data(arrays: Any) -> None:
             )
 
 
-def shard_dataset(arrays: Any, mesh: Mesh, *, data_axis: str = "data") -> Dataset:
+def shard_dataset(arrays: Any, mesh: Mesh, *, data_axis: str = DATA_AXIS) -> Dataset:
     """Pads ``arrays`` to a multiple of the data axis size and shards them over it.
 
     Padded rows repeat real rows (wrapping around), so a loss is finite on them
@@ -118,7 +119,7 @@ def classification_data(
     mesh: Mesh,
     *,
     num_classes: int | None = None,
-    data_axis: str = "data",
+    data_axis: str = DATA_AXIS,
     dtype: Any = np.float32,
 ) -> Dataset:
     """Checks features and integer labels, then shards them as ``{"x": ..., "y": ...}``.

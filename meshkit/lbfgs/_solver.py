@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from meshkit._host import place_global, replicated_sharding
+from meshkit._mesh import DATA_AXIS
 from meshkit._rules import PartitionRules
 from meshkit.lbfgs import _programs
 from meshkit.lbfgs._checks import (
@@ -103,7 +104,7 @@ class LBFGS:
     c2: float = 0.5
     l2_mask: L2Mask | None = None
     param_rules: PartitionRules | None = None
-    data_axis: str = "data"
+    data_axis: str = DATA_AXIS
     gradient_blocks: int | None = None
 
     def __post_init__(self) -> None:
