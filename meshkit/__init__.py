@@ -8,6 +8,7 @@ from meshkit import distributed as distributed
 from meshkit._batch import DataShard as DataShard
 from meshkit._batch import batch_sharding as batch_sharding
 from meshkit._batch import data_shard as data_shard
+from meshkit._batch import pad_rows as pad_rows
 from meshkit._batch import shard_batch as shard_batch
 from meshkit._compiles import CompileLog as CompileLog
 from meshkit._compiles import count_compiles as count_compiles

@@ -103,7 +103,8 @@ def leading_dim_shards(sharding: NamedSharding) -> int:
 def _check_batch_sharding(sharding: Any) -> NamedSharding:
     if not isinstance(sharding, NamedSharding):
         raise TypeError(
-            f"Expected a jax.sharding.NamedSharding for the batch, got {type(sharding).__name__}. "
+            f"Expected a jax.sharding.NamedSharding for the batch, got {sharding!r} "
+            f"({type(sharding).__name__}). "
             "Build one with meshkit.batch_sharding(mesh)."
         )
     return sharding
@@ -203,9 +204,11 @@ def pad_rows(
 ) -> tuple[Any, np.ndarray]:
     """Pads every leaf of ``batch`` to ``rows`` rows on the host; returns it and its mask.
 
-    The real rows come first. ``fill="zeros"`` appends rows of zeros;
-    ``fill="wrap"`` repeats the real rows from the first one, so that a function
-    finite on the data is finite on the padding too.
+    The step before ``shard_batch`` when a batch is short (the last one of an
+    evaluation, a process with fewer rows): every call keeps one shape, so a jitted
+    step compiles once, and the mask says which rows count. The real rows come first.
+    ``fill="zeros"`` appends rows of zeros; ``fill="wrap"`` repeats the real rows from
+    the first one, so that a function finite on the data is finite on the padding too.
 
     Args:
       batch: a pytree of arrays sharing their leading (row) dimension.
@@ -218,8 +221,8 @@ def pad_rows(
 
     Examples:
         >>> import numpy as np
-        >>> from meshkit._batch import pad_rows
-        >>> padded, mask = pad_rows({"x": np.array([1, 2])}, 4, fill="wrap")
+        >>> import meshkit
+        >>> padded, mask = meshkit.pad_rows({"x": np.array([1, 2])}, 4, fill="wrap")
         >>> padded["x"].tolist(), mask.tolist()
         ([1, 2, 1, 2], [True, True, False, False])
     """

@@ -9,9 +9,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit._batch import RowBlocks, pad_rows, row_blocks
-from meshkit._checks import check_int
-from meshkit._pytree import leading_rows
 
 
 def test_batch_sharding_spec_and_errors():
@@ -101,53 +98,70 @@ def test_every_placement_path_gives_what_device_put_gives(devices):
 
 
 @pytest.mark.devices(8)
-def test_row_blocks_name_the_blocks_once_per_sharding():
+def test_a_replicating_axis_does_not_count_as_a_data_shard():
+    """On data=4,model=2 the rows split four ways: batches are multiples of 4, not 8."""
     mesh = meshkit.make_mesh("data=4,model=2")
-    blocks = row_blocks(meshkit.batch_sharding(mesh))
-    assert blocks == RowBlocks(count=1, index=0, shards_per_block=4) and blocks.shards == 4
-    assert row_blocks(meshkit.batch_sharding(mesh)) is blocks  # cached per sharding
-    assert row_blocks(NamedSharding(mesh, P())) == RowBlocks(count=1, index=0, shards_per_block=1)
-    with pytest.raises(TypeError, match="NamedSharding"):
-        row_blocks(P("data"))  # type: ignore[arg-type]
+    sharding = meshkit.batch_sharding(mesh)
+    assert meshkit.data_shard(sharding, 4).slice == slice(0, 4)
+    with pytest.raises(
+        ValueError, match="Global batch size 6 must be a positive multiple of the 4"
+    ):
+        meshkit.data_shard(sharding, 6)
+    assert meshkit.data_shard(NamedSharding(mesh, P()), 3).size == 3  # one shard: any size
+    with pytest.raises(TypeError, match=r"NamedSharding for the batch, got P\('data',\)"):
+        meshkit.data_shard(P("data"), 8)  # type: ignore[arg-type]
 
 
 def test_pad_rows_fills_with_zeros_or_wraps_and_masks():
     batch = {"x": np.array([[1, 2], [3, 4]]), "y": np.array([5, 6])}
-    zeros, mask = pad_rows(batch, 5)
+    zeros, mask = meshkit.pad_rows(batch, 5)
     assert zeros["x"].tolist() == [[1, 2], [3, 4], [0, 0], [0, 0], [0, 0]]
     assert zeros["y"].dtype == batch["y"].dtype and mask.tolist() == [1, 1, 0, 0, 0]
-    wrapped, mask = pad_rows(batch, 5, fill="wrap")
+    wrapped, mask = meshkit.pad_rows(batch, 5, fill="wrap")
     assert wrapped["y"].tolist() == [5, 6, 5, 6, 5] and mask.sum() == 2
-    same, mask = pad_rows(batch, 2)
+    same, mask = meshkit.pad_rows(batch, 2)
     assert same["y"].tolist() == [5, 6] and mask.all()
+    empty, mask = meshkit.pad_rows({"x": np.zeros((0, 2))}, 2)
+    assert empty["x"].shape == (2, 2) and not mask.any()
     with pytest.raises(ValueError, match="got 2 rows, more than the 1 rows"):
-        pad_rows(batch, 1)
+        meshkit.pad_rows(batch, 1)
     with pytest.raises(ValueError, match="cannot wrap around 0 rows"):
-        pad_rows({"x": np.zeros((0, 2))}, 2, fill="wrap")
+        meshkit.pad_rows({"x": np.zeros((0, 2))}, 2, fill="wrap")
 
 
-def test_leading_rows_names_every_leaf_on_a_mismatch():
-    assert leading_rows({"x": np.zeros((3, 2)), "y": np.zeros(3)}, what="t") == 3
-    assert leading_rows([np.zeros((0, 2))], what="t") == 0
-    with pytest.raises(ValueError, match=r"t: the leaves have different.*\{\"\['x'\]\": 3"):
-        leading_rows({"x": np.zeros(3), "y": np.zeros(4)}, what="t")
-    with pytest.raises(ValueError, match=r"t: leaf \['x'\] is a scalar"):
-        leading_rows({"x": np.float32(0)}, what="t")
-    with pytest.raises(ValueError, match="t got an empty pytree"):
-        leading_rows({}, what="t")
+def test_row_count_errors_name_the_caller_and_every_leaf():
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    with pytest.raises(ValueError, match=r"pad_rows: the leaves have different.*\{\"\['x'\]\": 3"):
+        meshkit.pad_rows({"x": np.zeros(3), "y": np.zeros(4)}, 8)
+    with pytest.raises(ValueError, match=r"shard_batch: leaf \['x'\] is a scalar"):
+        meshkit.shard_batch({"x": np.float32(0)}, sharding)
+    with pytest.raises(ValueError, match="shard_batch got an empty pytree"):
+        meshkit.shard_batch({}, sharding)
 
 
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (True, TypeError, r"n must be an int >= 1, got True \(bool\)\. Fix\."),
-        (2.0, TypeError, r"got 2\.0 \(float\)"),
-        ("3", TypeError, r"got '3' \(str\)"),
-        (0, ValueError, r"n must be an int >= 1, got 0\. Fix\."),
+        (True, TypeError, r"global_batch_size must be an int, got True \(bool\)\."),
+        (16.0, TypeError, r"got 16\.0 \(float\)"),
+        ("16", TypeError, r"got '16' \(str\)"),
     ],
 )
-def test_check_int_separates_wrong_types_from_bad_values(value, error, message):
+def test_sizes_must_be_ints_not_bools_floats_or_strings(value, error, message):
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     with pytest.raises(error, match=message):
-        check_int(value, name="n", minimum=1, fix="Fix.")
-    assert check_int(np.int64(3), name="n", minimum=1) == 3
-    assert type(check_int(np.int64(3), name="n")) is int
+        meshkit.data_shard(sharding, value)
+    assert meshkit.data_shard(sharding, np.int64(8)).stop == 8
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (True, TypeError, r"max_in_flight must be an int >= 1 step, got True \(bool\)\."),
+        (0, ValueError, r"max_in_flight must be an int >= 1 step, got 0\."),
+    ],
+)
+def test_bounded_sizes_separate_wrong_types_from_bad_values(value, error, message):
+    with pytest.raises(error, match=message):
+        meshkit.InFlight(value)
+    assert meshkit.InFlight(np.int64(2)).limit == 2
