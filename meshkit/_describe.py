@@ -13,7 +13,12 @@ from meshkit._pytree import path_str
 
 
 def format_bytes(num_bytes: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
+    """Bytes as ``describe`` prints them: whole bytes below 1 KiB, one decimal above.
+
+    Examples:
+        >>> format_bytes(4), format_bytes(1536), format_bytes(3 * 2**30)
+        ('4 B', '1.5 KiB', '3.0 GiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(num_bytes) < 1024 or unit == "GiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

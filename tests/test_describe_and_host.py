@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit._describe import format_bytes
 
 
 def _row(report: str, path: str) -> list[str]:
@@ -33,11 +32,11 @@ def test_describe_tree_reports_bytes_per_device_against_numpy():
     assert kernel[1:3] == ["(800,", "256)"] and "float32" in kernel
     assert f"{800 * 256 * 4 / 8 / 1024:.1f}" in kernel  # 100.0 KiB per device
     assert "P(" in " ".join(_row(report, "bias"))
-    per_device = 800 * 256 * 4 / 8 + 256 * 2 + 4
-    total = 800 * 256 * 4 + 256 * 2 + 4
-    assert report.splitlines()[-1] == (
-        f"3 leaves: {format_bytes(total)} in all, {format_bytes(per_device)} per device"
-    )
+    assert _row(report, "step")[-4:] == ["4", "B", "4", "B"]  # whole bytes below 1 KiB
+    per_device = 800 * 256 * 4 / 8 + 256 * 2 + 4  # 102,916 bytes
+    total = 800 * 256 * 4 + 256 * 2 + 4  # 819,716 bytes
+    assert (per_device / 1024, total / 1024) == pytest.approx((100.504, 800.504), abs=1e-3)
+    assert report.splitlines()[-1] == "3 leaves: 800.5 KiB in all, 100.5 KiB per device"
 
 
 def test_describe_concrete_arrays_and_host_leaves():

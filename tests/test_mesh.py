@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit._mesh import device_grid, parse_axes, resolve_axis_sizes
+from meshkit import parse_axes
 
 
 def test_parse_axes_from_string_and_mapping_agree():
@@ -43,16 +43,6 @@ def test_parse_axes_rejects_non_int_size():
         TypeError, match=r"Mesh axis .data. size must be an int, got 2\.5 \(float\)"
     ):
         parse_axes({"data": 2.5})  # type: ignore[dict-item]
-
-
-def test_fill_axis_and_product_mismatch_message():
-    assert resolve_axis_sizes("data=-1,model=2", 8) == {"data": 4, "model": 2}
-    with pytest.raises(ValueError) as info:
-        resolve_axis_sizes({"data": 3, "model": 2}, 8)
-    message = str(info.value)
-    assert "multiply to 6" in message and "8 devices" in message and "'model': 2" in message
-    with pytest.raises(ValueError, match="does not divide the 8 devices"):
-        resolve_axis_sizes("data=-1,model=3", 8)
 
 
 def test_make_mesh_uses_all_devices_and_default_auto_types():
@@ -99,6 +89,21 @@ def fake_devices(num_slices: int, per_slice: int) -> list[FakeDevice]:
     ]
 
 
+def slices_of(mesh: jax.sharding.Mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.slice_index)(mesh.devices)
+
+
+def test_fill_axis_and_product_mismatch_message():
+    devices = fake_devices(1, 8)
+    assert meshkit.make_mesh("data=-1,model=2", devices=devices).shape == {"data": 4, "model": 2}
+    with pytest.raises(ValueError) as info:
+        meshkit.make_mesh({"data": 3, "model": 2}, devices=devices)
+    message = str(info.value)
+    assert "multiply to 6" in message and "8 devices" in message and "'model': 2" in message
+    with pytest.raises(ValueError, match="does not divide the 8 devices"):
+        meshkit.make_mesh("data=-1,model=3", devices=devices)
+
+
 def test_single_slice_goes_to_create_device_mesh(monkeypatch):
     calls = []
     from jax.experimental import mesh_utils
@@ -107,40 +112,38 @@ def test_single_slice_goes_to_create_device_mesh(monkeypatch):
     monkeypatch.setattr(
         mesh_utils, "create_device_mesh", lambda *a, **k: calls.append("ici") or real(*a, **k)
     )
-    grid = device_grid({"data": 4, "model": 2}, fake_devices(1, 8))
+    mesh = meshkit.make_mesh({"data": 4, "model": 2}, devices=fake_devices(1, 8))
     assert calls == ["ici"]
-    np.testing.assert_array_equal(np.vectorize(lambda d: d.id)(grid), np.arange(8).reshape(4, 2))
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    np.testing.assert_array_equal(ids, np.arange(8).reshape(4, 2))
 
 
 def test_multi_slice_defaults_to_data_across_slices():
     devices = fake_devices(2, 4)
-    grid = device_grid({"data": 8}, devices)
-    ids = np.vectorize(lambda d: d.slice_index)(grid)
-    np.testing.assert_array_equal(ids, [0, 0, 0, 0, 1, 1, 1, 1])
+    mesh = meshkit.make_mesh({"data": 8}, devices=devices)
+    np.testing.assert_array_equal(slices_of(mesh), [0, 0, 0, 0, 1, 1, 1, 1])
 
 
 def test_multi_slice_with_dcn_axes_keeps_model_inside_a_slice():
     devices = fake_devices(2, 4)
-    grid = device_grid({"data": 4, "model": 2}, devices, {"data": 2})
-    slices = np.vectorize(lambda d: d.slice_index)(grid)
+    mesh = meshkit.make_mesh({"data": 4, "model": 2}, devices=devices, dcn_axes={"data": 2})
     # each model row lives in one slice; data crosses slices in blocks of two
-    np.testing.assert_array_equal(slices, [[0, 0], [0, 0], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(slices_of(mesh), [[0, 0], [0, 0], [1, 1], [1, 1]])
     # the other way around: model spans the two slices
-    grid = device_grid({"data": 4, "model": 2}, devices, "model=2")
-    slices = np.vectorize(lambda d: d.slice_index)(grid)
-    np.testing.assert_array_equal(slices, [[0, 1]] * 4)
+    mesh = meshkit.make_mesh({"data": 4, "model": 2}, devices=devices, dcn_axes="model=2")
+    np.testing.assert_array_equal(slices_of(mesh), [[0, 1]] * 4)
 
 
 def test_multi_slice_errors_name_the_fix():
     devices = fake_devices(2, 4)
     with pytest.raises(ValueError, match=r"dcn_axes=\{'data': 2\}"):
-        device_grid({"model": 8}, devices)
+        meshkit.make_mesh({"model": 8}, devices=devices)
     with pytest.raises(ValueError, match="not mesh axes"):
-        device_grid({"data": 8}, devices, {"batch": 2})
+        meshkit.make_mesh({"data": 8}, devices=devices, dcn_axes={"batch": 2})
     with pytest.raises(ValueError, match="must divide 3"):
-        device_grid({"data": 3, "model": 2}, fake_devices(2, 3), {"data": 2})
+        meshkit.make_mesh({"data": 3, "model": 2}, devices=fake_devices(2, 3), dcn_axes="data=2")
     with pytest.raises(ValueError, match="all devices are in one slice"):
-        device_grid({"data": 8}, fake_devices(1, 8), {"data": 2})
+        meshkit.make_mesh({"data": 8}, devices=fake_devices(1, 8), dcn_axes={"data": 2})
 
 
 def _mlp_loss(x):
