@@ -151,7 +151,7 @@ def test_sizes_must_be_ints_not_bools_floats_or_strings(value, error, message):
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     with pytest.raises(error, match=message):
         meshkit.data_shard(sharding, value)
-    assert meshkit.data_shard(sharding, np.int64(8)).stop == 8
+    assert meshkit.data_shard(sharding, np.int64(8)).stop == 8  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -164,4 +164,4 @@ def test_sizes_must_be_ints_not_bools_floats_or_strings(value, error, message):
 def test_bounded_sizes_separate_wrong_types_from_bad_values(value, error, message):
     with pytest.raises(error, match=message):
         meshkit.InFlight(value)
-    assert meshkit.InFlight(np.int64(2)).limit == 2
+    assert meshkit.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]

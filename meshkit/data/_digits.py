@@ -60,6 +60,12 @@ def interpolation_matrix(size_in: int, size_out: int) -> np.ndarray:
     Examples:
         >>> interpolation_matrix(2, 4).tolist()
         [[1.0, 0.0], [0.75, 0.25], [0.25, 0.75], [0.0, 1.0]]
+        >>> import numpy as np
+        >>> [bool(np.allclose(interpolation_matrix(n, m).sum(axis=1), 1.0))
+        ...  for n, m in ((8, 28), (8, 32), (5, 3))]
+        [True, True, True]
+        >>> bool((interpolation_matrix(8, 8) == np.eye(8)).all())
+        True
     """
     if size_in < 1 or size_out < 1:
         raise ValueError(f"Sizes must be positive; got size_in={size_in}, size_out={size_out}.")
@@ -84,6 +90,9 @@ def resize_bilinear(images_NxHxW: np.ndarray, height: int, width: int) -> np.nda
         >>> import numpy as np
         >>> resize_bilinear(np.ones((1, 8, 8), np.float32), 28, 28).shape
         (1, 28, 28)
+        >>> constant = resize_bilinear(np.full((2, 8, 8), 0.37, np.float32), 28, 32)
+        >>> bool(np.allclose(constant, 0.37))
+        True
     """
     images_NxHxW = np.asarray(images_NxHxW)
     if images_NxHxW.ndim != 3:

@@ -4,6 +4,7 @@ Examples:
     >>> from meshkit.testing import run_processes, set_cpu_devices
 """
 
+from meshkit.testing._files import cifar_batch as cifar_batch
 from meshkit.testing._files import write_cifar10 as write_cifar10
 from meshkit.testing._files import write_cifar100 as write_cifar100
 from meshkit.testing._files import write_idx as write_idx

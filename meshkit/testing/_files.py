@@ -58,7 +58,17 @@ def write_pickle(path: Path, batch: object) -> Path:
 
 
 def cifar_batch(n: int, rng: np.random.Generator, **labels: list[int]) -> CifarBatch:
-    """One CIFAR batch dict: ``b"data"`` of shape (n, 3072) uint8 plus the given label lists."""
+    """One CIFAR batch dict: ``b"data"`` of shape (n, 3072) uint8 plus the given label lists.
+
+    Write it with ``write_pickle`` to make a CIFAR file of your own, e.g. a corrupt one.
+
+    Examples:
+        >>> import numpy as np
+        >>> from meshkit.testing import cifar_batch
+        >>> batch = cifar_batch(2, np.random.default_rng(0), labels=[3, 1])
+        >>> batch[b"data"].shape, batch[b"labels"]
+        ((2, 3072), [3, 1])
+    """
     data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
     return {b"data": data, **{key.encode(): value for key, value in labels.items()}}
 
@@ -66,6 +76,7 @@ def cifar_batch(n: int, rng: np.random.Generator, **labels: list[int]) -> CifarB
 def write_cifar10(
     folder: Path, per_batch: int = 2, seed: int = 0
 ) -> dict[str, list[dict[bytes, object]]]:
+    """The six CIFAR-10 pickles (``data_batch_1`` to ``5``, ``test_batch``), by split."""
     rng = np.random.default_rng(seed)
     batches: dict[str, list[CifarBatch]] = {"train": [], "test": []}
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
