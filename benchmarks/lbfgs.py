@@ -48,6 +48,7 @@ from sklearn import datasets  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._hlo import operations_per_call  # noqa: E402
 from benchmarks._lbfgs_peers import jaxopt_run, optax_loop  # noqa: E402
 from meshkit import lbfgs  # noqa: E402
 
@@ -56,6 +57,7 @@ TOL = 1e-3
 ROUNDS = 5
 MAX_STEPS = 2000
 LARGE_ROWS = 200_000
+ILL_ROWS = 20_000
 SCALING_ROWS = (10_000, 20_000, 40_000)
 SCALING_STEPS = 25
 
@@ -103,7 +105,7 @@ class SeedLoop:
         errors = []
         for _ in range(self.max_steps):
             params, state = self.update(params, state, self.data)
-            jax.tree.map(lambda t: t.block_until_ready(), (params, state))  # as the seed
+            jax.tree.map(lambda t: t.block_until_ready(), (params, state))  # as the notebook
             errors.append(state.error.item())
             if errors[-1] <= TOL:
                 break
@@ -156,10 +158,11 @@ def compile_counts(mesh, data, start) -> dict[str, Any]:
     }
 
 
-def ill_conditioned(x: np.ndarray) -> np.ndarray:
-    """The features scaled over three orders of magnitude (a fixed random order)."""
-    scales = np.logspace(-1.5, 1.5, x.shape[1]).astype(np.float32)
-    return x * np.random.default_rng(0).permutation(scales)
+def ill_conditioned(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``large_data`` with its features scaled over two orders of magnitude (a fixed order)."""
+    x, y = large_data(rows)
+    scales = np.logspace(-1, 1, x.shape[1]).astype(np.float32)
+    return x * np.random.default_rng(0).permutation(scales), y
 
 
 def large_data(rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,10 +231,10 @@ def compare_peers(
             "meshkit.lbfgs solve",
             lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS),
         ),
-        "meshkit, m=10 c2=0.9": meshkit_solve(
-            "meshkit, m=10 c2=0.9",
+        "meshkit, history_size=10": meshkit_solve(
+            "meshkit, history_size=10",
             lbfgs.LBFGS(
-                lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS, history_size=10, c2=0.9
+                lbfgs.multiclass_logreg, mesh, tol=TOL, max_steps=MAX_STEPS, history_size=10
             ),
         ),
         "one read of X": lambda: jax.block_until_ready(read(arrays[0])),
@@ -270,6 +273,21 @@ def compare_peers(
     return result
 
 
+def operations_per_iteration(mesh, data, start) -> dict[str, int]:
+    """Operations in one compiled ``step`` (optimized HLO): ``fixed`` outside the line
+    search, ``per_trip_0`` per line-search evaluation."""
+    solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=TOL)
+    state = solver.init(start, data)
+    step: Any = solver._programs().step  # the jitted program behind LBFGS.step
+    text = step.lower(state, data, jnp.float32(0.0)).compile().as_text()
+    counts = operations_per_call(text)
+    print(
+        f"operations per iteration (history_size={solver.history_size}): {counts['fixed']} "
+        f"outside the line search, {counts.get('per_trip_0')} per line-search evaluation"
+    )
+    return counts
+
+
 def scaling(mesh) -> dict[int, dict[str, float]]:
     """meshkit's time per iteration at several row counts (a fixed number of iterations)."""
     solver = lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, tol=0.0, max_steps=SCALING_STEPS)
@@ -303,7 +321,7 @@ def scaling(mesh) -> dict[int, dict[str, float]]:
 
 
 def first_calls(mesh, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    """Compile time and count of each candidate's first call on the seed's problem."""
+    """Compile time and count of each candidate's first call on the notebook's problem."""
     rows = NamedSharding(mesh, P("data"))
     arrays = (jax.device_put(x, rows), jax.device_put(y, rows))
     data = lbfgs.classification_data(x, y, mesh)
@@ -338,17 +356,16 @@ def main() -> None:
     mesh = meshkit.make_mesh("data=-1")
     x, y = seed_data(ROWS)
     result: dict[str, Any] = {"tol": TOL, "max_steps": MAX_STEPS}
-    print("compile (first calls, seed problem):")
+    print("compile (first calls, the notebook's problem):")
     result["first_calls"] = first_calls(mesh, x, y)
     result["problems"] = {
         "seed": compare_peers(
             "the JAXopt notebook's problem", mesh, x, y, rounds=ROUNDS, seed_loop=True
         ),
         "ill_conditioned": compare_peers(
-            "ill-conditioned (features scaled over 1e-1.5 .. 1e1.5)",
+            f"ill-conditioned ({ILL_ROWS:,} synthetic rows, features scaled over 1e-1 .. 1e1)",
             mesh,
-            ill_conditioned(x),
-            y,
+            *ill_conditioned(ILL_ROWS),
             rounds=3,
             seed_loop=True,
         ),
@@ -370,6 +387,7 @@ def main() -> None:
         f"\nfinal objective: meshkit {float(ours.value):.7f}, scipy float64 {reference:.7f} "
         f"(relative gap {result['relative_gap_to_scipy']:.1e}; scipy took {scipy_s:.1f} s)"
     )
+    result["operations_per_iteration"] = operations_per_iteration(mesh, data, start)
     result["compile_counts"] = compile_counts(mesh, data, start)
     counts = result["compile_counts"]
     print(
@@ -397,7 +415,7 @@ def peak_memory() -> dict[str, Any]:
         line = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         out[name] = json.loads(line.strip().splitlines()[-1])
     print(
-        f"\npeak RSS (fresh process, one first solve incl. compile): seed loop "
+        f"\npeak RSS (fresh process, one first solve incl. compile): notebook loop "
         f"{out['seed']['peak_mib']:.0f} MiB (+{out['seed']['growth_mib']:.0f} MiB over the "
         f"{out['seed']['before_mib']:.0f} MiB with the data placed), meshkit "
         f"{out['meshkit']['peak_mib']:.0f} MiB (+{out['meshkit']['growth_mib']:.0f} MiB over "

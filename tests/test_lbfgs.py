@@ -8,6 +8,7 @@ scaled down so each test takes seconds; the recipe and the benchmark run the ful
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -179,14 +180,15 @@ def test_inverse_hessian_product_matches_the_two_loop_recursion():
         s_rows = rng.normal(size=(m, n)).astype(np.float32)
         y_rows = (s_rows + 0.3 * rng.normal(size=(m, n))).astype(np.float32)
         v = rng.normal(size=n).astype(np.float32)
+        unused: Any = None  # the product reads only the history fields
         state = lbfgs.LBFGSState(
-            params=None, value=None, grad=None,
+            params=unused, value=unused, grad=unused,
             s_history={"a": s_rows[:, :3], "b": s_rows[:, 3:]},
             y_history={"a": y_rows[:, :3], "b": y_rows[:, 3:]},
             rho_history=jnp.asarray(1 / np.sum(s_rows * y_rows, 1), jnp.float32),
-            newest=jnp.int32(newest), num_pairs=jnp.int32(num_pairs), step_size=None,
-            iteration=None, num_evaluations=None, status=None, value_history=None,
-            grad_norm_history=None,
+            newest=jnp.int32(newest), num_pairs=jnp.int32(num_pairs), step_size=unused,
+            iteration=unused, num_evaluations=unused, status=unused, value_history=unused,
+            grad_norm_history=unused,
         )  # fmt: skip
         product = inverse_hessian_product(state, {"a": v[:3], "b": v[3:]})
         got = np.concatenate([product["a"], product["b"]])
@@ -469,7 +471,7 @@ def test_mesh_without_data_axis():
         with pytest.raises(ValueError) as info:
             build()
         message = str(info.value)
-        assert "no 'data' axis" in message and "'model'" in message
+        assert "none is named 'data'" in message and "'model'" in message
         assert "meshkit.make_mesh('data=-1')" in message
     with pytest.raises(TypeError, match=r"needs a jax.sharding.Mesh, got str"):
         lbfgs.LBFGS(lbfgs.multiclass_logreg, "data=-1")  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._batch import pad_rows
 from meshkit._host import place_global
-from meshkit._mesh import DATA_AXIS
+from meshkit._mesh import DATA_AXIS, check_data_axis
 from meshkit._pytree import leading_rows
 
 
@@ -42,23 +42,6 @@ class Dataset:
     def padded_rows(self) -> int:
         """Rows including the padding: a multiple of the data axis size."""
         return int(self.mask.shape[0])
-
-
-def check_data_axis(mesh: Any, data_axis: str, *, where: str) -> Mesh:
-    """Raises a clear error unless ``mesh`` is a ``Mesh`` with an axis ``data_axis``."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{where} needs a jax.sharding.Mesh, got {type(mesh).__name__}: {mesh!r}. Build "
-            "one with meshkit.make_mesh('data=-1')."
-        )
-    if data_axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: the mesh has axes {dict(mesh.shape)} but no {data_axis!r} axis to "
-            f"split the rows over. Build the mesh with one, e.g. "
-            f"meshkit.make_mesh('{data_axis}=-1'), or pass data_axis=<one of "
-            f"{list(mesh.axis_names)}>."
-        )
-    return mesh
 
 
 def _check_host_data(arrays: Any) -> None:
