@@ -66,7 +66,9 @@ def optax_loop(*, tol: float, max_steps: int) -> Callable[[Any, Any], Result]:
             norm = optax.tree.norm(optax.tree.get(state, "grad"))
             return (count == 0) | ((count < max_steps) & (norm > tol))
 
-        start = (w0, optimizer.init(w0), jnp.zeros((), jnp.int32))
+        # value_and_grad_from_state evaluates once at the start; then every line-search
+        # trial is one evaluation, and its last one is reused by the next step.
+        start = (w0, optimizer.init(w0), jnp.ones((), jnp.int32))
         _, state, evaluations = jax.lax.while_loop(running, step, start)
         value = optax.tree.get(state, "value")
         norm = optax.tree.norm(optax.tree.get(state, "grad"))

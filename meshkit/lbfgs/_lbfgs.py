@@ -35,7 +35,10 @@ class LBFGSState(NamedTuple):
       s_history: the last ``history_size`` parameter changes, leaves ``[m, ...]``
         (a ring buffer).
       y_history: the matching gradient changes.
-      rho_history: ``1 / <s, y>`` for each stored pair, ``[m]``.
+      sy_products: ``s_i · y_j`` for every two slots of the history, ``[m, m]``: updated
+        one row and column per stored pair, so the product with the inverse Hessian
+        never recomputes them.
+      yy_products: ``y_i · y_j`` likewise.
       newest: the ring-buffer slot of the newest pair.
       num_pairs: how many pairs are stored (at most ``m``).
       step_size: the last accepted line-search step.
@@ -52,7 +55,8 @@ class LBFGSState(NamedTuple):
     grad: Any
     s_history: Any
     y_history: Any
-    rho_history: jax.Array
+    sy_products: jax.Array
+    yy_products: jax.Array
     newest: jax.Array
     num_pairs: jax.Array
     step_size: jax.Array
@@ -98,7 +102,8 @@ def init(value_and_grad: ValueAndGrad, params: Any, options: Options) -> LBFGSSt
         grad=grad,
         s_history=empty,
         y_history=empty,
-        rho_history=jnp.zeros((m,), value.dtype),
+        sy_products=jnp.zeros((m, m), value.dtype),
+        yy_products=jnp.zeros((m, m), value.dtype),
         newest=jnp.asarray(m - 1, jnp.int32),
         num_pairs=jnp.zeros((), jnp.int32),
         step_size=jnp.ones((), value.dtype),
@@ -108,15 +113,6 @@ def init(value_and_grad: ValueAndGrad, params: Any, options: Options) -> LBFGSSt
         value_history=nan.at[0].set(value),
         grad_norm_history=nan.at[0].set(norm.astype(value.dtype)),
     )
-
-
-def _history_dot(a: Any, b: Any) -> jax.Array:
-    """``a_i · b_j`` for every pair of rows of two stacked pytrees (leaves ``[k, ...]``)."""
-    products = [
-        jnp.tensordot(x, y, axes=(tuple(range(1, x.ndim)), tuple(range(1, y.ndim))))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    ]
-    return sum(products[1:], start=products[0])
 
 
 def _history_projection(history: Any, vector: Any) -> jax.Array:
@@ -139,17 +135,18 @@ def inverse_hessian_product(state: LBFGSState, vector: Any) -> Any:
     Byrd, Nocedal and Schnabel (1994): with the pairs as matrices ``S`` and ``Y``
     (oldest first), ``R`` the upper triangle of ``Sᵀ Y``, ``D`` its diagonal and
     ``γ = sᵀy / yᵀy`` of the newest pair, ``H v = γ v + S R⁻ᵀ ((D + γ YᵀY) p - γ Yᵀv)
-    - γ Y p`` with ``p = R⁻¹ Sᵀv``. The history enters through four products of its
-    stacked rows and two combinations; the rest is ``m × m`` algebra. The two-loop
-    recursion gives the same vector with ``4 m`` dependent dot products.
+    - γ Y p`` with ``p = R⁻¹ Sᵀv``. ``Sᵀ Y`` and ``Yᵀ Y`` come from the state; the
+    history enters through two projections and two combinations, the rest is
+    ``m × m`` algebra. The two-loop recursion gives the same vector with ``4 m``
+    dependent dot products.
     """
-    m = state.rho_history.shape[0]
+    m = state.sy_products.shape[0]
     # Position i (oldest first) of the ring buffer, and which positions hold a pair.
     slots = (state.newest + 1 + jnp.arange(m)) % m
     valid = jnp.arange(m) >= m - state.num_pairs
     both = valid[:, None] & valid[None, :]
-    sy = _history_dot(state.s_history, state.y_history)[slots][:, slots]
-    yy = _history_dot(state.y_history, state.y_history)[slots][:, slots]
+    sy = state.sy_products[slots][:, slots]
+    yy = state.yy_products[slots][:, slots]
     s_v = jnp.where(valid, _history_projection(state.s_history, vector)[slots], 0)
     y_v = jnp.where(valid, _history_projection(state.y_history, vector)[slots], 0)
     newest = m - 1
@@ -227,8 +224,14 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
     y = jax.tree.map(jnp.subtract, search.grad, state.grad)
     sy, yy = jnp.asarray(optax.tree.vdot(s, y)), jnp.asarray(optax.tree.vdot(y, y))
     keep = search.found & (sy > jnp.finfo(state.value.dtype).eps * yy)
-    m = state.rho_history.shape[0]
+    m = state.sy_products.shape[0]
     slot = (state.newest + 1) % m
+    # The new pair's products with every stored pair (its own slot: with itself).
+    s_y = _history_projection(state.s_history, y).at[slot].set(sy)
+    y_s = _history_projection(state.y_history, s).at[slot].set(sy)
+    y_y = _history_projection(state.y_history, y).at[slot].set(yy)
+    sy_products = state.sy_products.at[:, slot].set(s_y).at[slot, :].set(y_s)
+    yy_products = state.yy_products.at[:, slot].set(y_y).at[slot, :].set(y_y)
     iteration = state.iteration + search.found.astype(jnp.int32)
     norm = optax.tree.norm(search.grad)
     dtype = search.value.dtype
@@ -238,7 +241,8 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
         grad=search.grad,
         s_history=_store(state.s_history, slot, s, keep),
         y_history=_store(state.y_history, slot, y, keep),
-        rho_history=_store(state.rho_history, slot, 1 / sy, keep),
+        sy_products=jnp.where(keep, sy_products, state.sy_products),
+        yy_products=jnp.where(keep, yy_products, state.yy_products),
         newest=jnp.where(keep, slot, state.newest),
         num_pairs=jnp.where(keep, jnp.minimum(num_pairs + 1, m), num_pairs),
         step_size=jnp.where(search.found, search.step, state.step_size),

@@ -211,10 +211,10 @@ class LBFGS:
                 "Rebuild it with jax.tree.unflatten(jax.tree.structure(state), leaves)."
             )
         length = np.shape(tree.value_history)[-1]
-        if length != self.max_steps + 1 or np.shape(tree.rho_history)[-1] != self.history_size:
+        if length != self.max_steps + 1 or np.shape(tree.sy_products)[-1] != self.history_size:
             raise ValueError(
                 f"The saved state has room for {length - 1} steps and "
-                f"{np.shape(tree.rho_history)[-1]} pairs, but this solver has max_steps="
+                f"{np.shape(tree.sy_products)[-1]} pairs, but this solver has max_steps="
                 f"{self.max_steps} and history_size={self.history_size}. Load it with a "
                 "solver built with the same settings."
             )
