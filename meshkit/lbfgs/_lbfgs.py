@@ -223,13 +223,17 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
     s = jax.tree.map(jnp.subtract, search.params, state.params)
     y = jax.tree.map(jnp.subtract, search.grad, state.grad)
     sy, yy = jnp.asarray(optax.tree.vdot(s, y)), jnp.asarray(optax.tree.vdot(y, y))
-    keep = search.found & (sy > jnp.finfo(state.value.dtype).eps * yy)
     m = state.sy_products.shape[0]
     slot = (state.newest + 1) % m
     # The new pair's products with every stored pair (its own slot: with itself).
     s_y = _history_projection(state.s_history, y).at[slot].set(sy)
     y_s = _history_projection(state.y_history, s).at[slot].set(sy)
     y_y = _history_projection(state.y_history, y).at[slot].set(yy)
+    # Keep the pair when the curvature is positive and its products are finite. The
+    # products' part also orders the reads of the old history before the in-place
+    # write of the new row, so XLA need not copy the history every iteration.
+    finite = jnp.isfinite(jnp.sum(s_y) + jnp.sum(y_s) + jnp.sum(y_y))
+    keep = search.found & (sy > jnp.finfo(state.value.dtype).eps * yy) & finite
     sy_products = state.sy_products.at[:, slot].set(s_y).at[slot, :].set(y_s)
     yy_products = state.yy_products.at[:, slot].set(y_y).at[slot, :].set(y_y)
     iteration = state.iteration + search.found.astype(jnp.int32)
