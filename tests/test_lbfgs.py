@@ -298,6 +298,27 @@ def _quadratic_problem(mesh):
     return data, (lambda w, batch: (batch["x"] @ w - batch["y"]) ** 2)
 
 
+def test_unbounded_objective_is_named_and_a_far_minimum_is_not(mesh):
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    data = lbfgs.shard_dataset({"x": x}, mesh)
+    start = np.zeros(3, np.float32)
+    linear = lbfgs.LBFGS(lambda w, b: -(b["x"] @ w), mesh, max_steps=50)
+    solution = linear.solve(start, data, throw=False)
+    assert solution.status is lbfgs.Status.UNBOUNDED and int(solution.iterations) <= 2
+    with pytest.raises(lbfgs.LBFGSError, match=r"UNBOUNDED.*unbounded below.*l2 > 0"):
+        linear.solve(start, data)
+    # A minimum 1e4 away: a long extrapolation from the first step, but bounded.
+    far = lbfgs.LBFGS(lambda w, b: jnp.sum((w - 1e4) ** 2) * jnp.ones(len(b["x"])), mesh)
+    found = far.solve(start, data, throw=False)
+    assert found.status is lbfgs.Status.GRADIENT_TOLERANCE
+    np.testing.assert_allclose(meshkit.to_host(found.params), 1e4, rtol=1e-6)
+
+
+def test_no_rows(mesh):
+    with pytest.raises(ValueError, match=r"0 examples.*at least one row"):
+        lbfgs.classification_data(np.zeros((0, 3)), np.zeros(0, np.int32), mesh)
+
+
 def test_max_steps_and_relative_decrease(mesh):
     data, loss = _quadratic_problem(mesh)
     start = np.zeros(6, np.float32)

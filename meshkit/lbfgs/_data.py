@@ -152,6 +152,12 @@ def classification_data(
             f"y must hold integer class labels, got dtype {y.dtype}. Convert with "
             "y.astype(np.int32) if the values are whole numbers."
         )
+    if y.shape[0] == 0:
+        raise ValueError(
+            "classification_data got 0 examples (x has shape "
+            f"{x.shape}); a full-batch solve needs at least one row. Check the file or "
+            "the filter that produced x and y."
+        )
     num_classes = int(y.max()) + 1 if num_classes is None else int(num_classes)
     bad = np.flatnonzero((y < 0) | (y >= num_classes))
     if bad.size:

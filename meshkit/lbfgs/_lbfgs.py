@@ -185,6 +185,7 @@ def _status(
     checks = [
         (~found & search.nonfinite, Status.NONFINITE),
         (~found, Status.LINESEARCH_FAILED),
+        (search.unbounded, Status.UNBOUNDED),
         (~jnp.isfinite(value) | ~jnp.isfinite(norm), Status.NONFINITE),
         (norm <= options.tol, Status.GRADIENT_TOLERANCE),
         (small_decrease, Status.RELATIVE_DECREASE),

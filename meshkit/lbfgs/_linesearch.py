@@ -32,6 +32,7 @@ class LineSearchResult(NamedTuple):
     evaluations: jax.Array
     found: jax.Array
     nonfinite: jax.Array
+    unbounded: jax.Array
 
 
 class _Point(NamedTuple):
@@ -186,4 +187,6 @@ def zoom_linesearch(
         evaluations=end.evaluations,
         found=found,
         nonfinite=~found & ~end.any_finite,
+        # Still descending at the largest step, never bracketed: unbounded below.
+        unbounded=found & ~end.bracketed & (end.lo.step >= MAX_STEP),
     )

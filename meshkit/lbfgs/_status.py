@@ -9,7 +9,7 @@ class Status(enum.IntEnum):
     """Why the solver stopped; stored in the state as an ``int32`` code.
 
     ``GRADIENT_TOLERANCE`` and ``RELATIVE_DECREASE`` are successes; ``MAX_STEPS``,
-    ``LINESEARCH_FAILED`` and ``NONFINITE`` are failures (``throw=True`` raises
+    ``LINESEARCH_FAILED``, ``NONFINITE`` and ``UNBOUNDED`` are failures (``throw=True`` raises
     ``LBFGSError`` for them). ``RUNNING`` is the status of a state that can still step.
 
     Examples:
@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
     MAX_STEPS = 3
     LINESEARCH_FAILED = 4
     NONFINITE = 5
+    UNBOUNDED = 6
 
     @property
     def message(self) -> str:
@@ -41,7 +42,12 @@ class Status(enum.IntEnum):
     @property
     def failed(self) -> bool:
         """Whether ``throw=True`` raises for this status."""
-        return self in (Status.MAX_STEPS, Status.LINESEARCH_FAILED, Status.NONFINITE)
+        return self in (
+            Status.MAX_STEPS,
+            Status.LINESEARCH_FAILED,
+            Status.NONFINITE,
+            Status.UNBOUNDED,
+        )
 
 
 _MESSAGES = {
@@ -64,5 +70,10 @@ _MESSAGES = {
         "failed: the objective or its gradient is not finite (nan or inf) at the current "
         "parameters or everywhere the line search looked. Check the loss for log(0) or "
         "overflow and the data for nan/inf; padded rows are masked and cannot cause this"
+    ),
+    Status.UNBOUNDED: (
+        "failed: the objective kept decreasing along the search direction up to the largest "
+        "step tried (1e10), so it looks unbounded below; more steps will not help. Check "
+        "the loss (a missing log or square, the wrong sign) or add an L2 term (l2 > 0)"
     ),
 }
