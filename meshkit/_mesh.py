@@ -219,6 +219,25 @@ def _resolve_axis_types(names: Sequence[str], axis_types: AxisTypesLike) -> tupl
     )
 
 
+def _check_devices(devices: Sequence[Any]) -> list[Any]:
+    """``devices`` as a list; raises for none, or for a device listed twice."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError(
+            "make_mesh got devices=[] (no devices). Pass some devices, e.g. "
+            "jax.devices()[:4], or leave devices out to use all of them."
+        )
+    seen: set[Any] = set()
+    for device in devices:
+        if device in seen:
+            raise ValueError(
+                f"make_mesh got device {device} twice in devices={devices}; a mesh holds "
+                "each device once. Pass distinct devices, e.g. jax.devices()[:n]."
+            )
+        seen.add(device)
+    return devices
+
+
 def make_mesh(
     axes: AxesLike,
     *,
@@ -248,7 +267,7 @@ def make_mesh(
         >>> mesh.axis_names
         ('data',)
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = _check_devices(jax.devices() if devices is None else devices)
     sizes = resolve_axis_sizes(axes, len(devices))
     types = _resolve_axis_types(tuple(sizes), axis_types)
     grid = device_grid(sizes, devices, dcn_axes)

@@ -104,6 +104,14 @@ def test_fill_axis_and_product_mismatch_message():
         meshkit.make_mesh("data=-1,model=3", devices=devices)
 
 
+def test_no_devices_or_a_device_twice_is_refused():
+    with pytest.raises(ValueError, match=r"devices=\[\] \(no devices\)"):
+        meshkit.make_mesh("data=-1", devices=[])
+    twice = [jax.devices()[0]] * 2
+    with pytest.raises(ValueError, match=r"twice in devices=.*each device once"):
+        meshkit.make_mesh("data=-1", devices=twice)
+
+
 def test_single_slice_goes_to_create_device_mesh(monkeypatch):
     calls = []
     from jax.experimental import mesh_utils
