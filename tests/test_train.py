@@ -171,6 +171,24 @@ def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
+    import flax.linen as nn
+
+    class Linear(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    fit(meshkit.make_mesh("data=-1"), tmp_path, 10)
+    mesh = meshkit.make_mesh("data=-1")
+    state, step, pipeline = setup(mesh, model=train.linen_model(Linear(), jnp.zeros((1, 8, 8, 1))))
+    with pytest.raises(ValueError, match=r"step 10 .* holds a different model: .*saved .*now"):
+        train.fit(
+            state, step, pipeline, num_steps=20, workdir=tmp_path, checkpoint_every=10,
+            progress=False,
+        )  # fmt: skip
+
+
 def poisoned_setup(bad):
     """``setup`` with a loss that is NaN at the steps where ``bad(state.step)`` holds."""
 

@@ -28,6 +28,19 @@ def abstract_like(state: Any) -> Any:
     )
 
 
+def _shapes_by_path(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each leaf's shape under its path as plain names (dict keys, fields, indices alike)."""
+
+    def name(entry: Any) -> str:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                return str(getattr(entry, attribute))
+        return str(entry)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return {tuple(name(e) for e in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
 class Checkpointer:
     """Saves and restores ``(train state, data state)`` pairs with Orbax.
 
@@ -88,8 +101,42 @@ class Checkpointer:
             state=ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
             data=ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
         )
-        restored = self._manager.restore(step, args=args)
+        try:
+            restored = self._manager.restore(step, args=args)
+        except ValueError as error:
+            mismatches = self._mismatches(step, target)
+            if not mismatches:
+                raise
+            raise ValueError(
+                f"The checkpoint at step {step} in {self.directory} holds a different model: "
+                + "; ".join(mismatches[:5])
+                + (f" (and {len(mismatches) - 5} more)" if len(mismatches) > 5 else "")
+                + ". Resume with the model that wrote it, or start this model in a new workdir."
+            ) from error
         return restored["state"], dict(restored["data"])
+
+    def _mismatches(self, step: int, target: Any) -> list[str]:
+        """``"<leaf>: saved <shape>, now <shape>"`` for each leaf that differs or is in one only."""
+        try:
+            saved_tree = self._manager.item_metadata(step)["state"].tree
+        except Exception:  # no readable metadata: nothing to compare with
+            return []
+        saved = _shapes_by_path(saved_tree)
+        now = _shapes_by_path(target)
+        lines = [
+            f"{'/'.join(path) or '<root>'}: saved {saved[path]}, now {now[path]}"
+            for path in sorted(saved.keys() & now.keys())
+            if saved[path] != now[path]
+        ]
+        lines += [
+            f"{'/'.join(path)}: saved {saved[path]}, now nothing"
+            for path in sorted(saved.keys() - now.keys())
+        ]
+        lines += [
+            f"{'/'.join(path)}: saved nothing, now {now[path]}"
+            for path in sorted(now.keys() - saved.keys())
+        ]
+        return lines
 
     def wait(self) -> None:
         """Blocks until pending saves are on disk."""
