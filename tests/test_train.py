@@ -157,6 +157,20 @@ def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 25]
 
 
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    import shutil
+
+    mesh = meshkit.make_mesh("data=-1")
+    fit(mesh, tmp_path, 25)
+    shutil.rmtree(tmp_path / "checkpoints" / "25")  # killed after logging 25, saved at 20
+    with (tmp_path / "metrics.jsonl").open("a") as log:
+        log.write('{"step": 27, "lo')  # and cut short while writing a line
+    assert fit(mesh, tmp_path, 30).resumed_from == 20
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [5, 10, 15, 20, 25, 30]
+    assert [line["step"] for line in lines if "eval/accuracy" in line] == [30]
+
+
 @pytest.mark.devices(8)
 def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
     straight = fit(meshkit.make_mesh("data=-1"), tmp_path / "straight", 30)

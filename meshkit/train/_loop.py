@@ -67,6 +67,14 @@ class FitResult:
     max_in_flight: int
 
 
+def _step_of(line: str) -> float:
+    """The step a ``metrics.jsonl`` line records; infinite for a line cut short by a kill."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 class _Log:
     """Host-side bookkeeping of interval reads (process 0 writes ``metrics.jsonl``)."""
 
@@ -96,6 +104,17 @@ class _Log:
         if "loss" in read.means:
             self.bar.set_postfix(loss=f"{read.means['loss']:.4f}", refresh=False)
         self.record({"step": read.last, **read.means})
+
+    def forget_after(self, step: int) -> None:
+        """Drops the lines of steps after ``step``: a resumed run logs them again."""
+        if not self.write or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            partial = self.path.with_suffix(".jsonl.tmp")
+            partial.write_text("".join(kept))
+            partial.replace(self.path)  # atomic: a kill here keeps one whole file
 
     def record(self, entry: Mapping[str, Any]) -> None:
         if not self.write:
@@ -199,6 +218,8 @@ def fit(
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
     log = _Log(workdir, bar, checkpointer)
+    if resumed_from is not None:
+        log.forget_after(start)
     loop = _Loop(state, log, evaluator, window, log_every)
     began = time.perf_counter()
     try:
