@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,46 @@ def test_full_eval_compiles_once_for_every_size():
         for n in (B + 1, 4097, 5, B):
             full_eval(fresh, 3.0, arrays(n), mesh=mesh, batch_size=B, collect=["pred"])
     assert log.count("eval_step") == 1
+
+
+def test_a_batch_level_value_is_an_error_naming_it():
+    mesh = meshkit.make_mesh("data=-1")
+    fix = "Return one value per example, e.g. a vector of shape (batch,), not its mean."
+    data = {"x": np.arange(10.0)}
+
+    def expected(who: str, shape: tuple[int, ...], rows: int = 8) -> str:
+        return (
+            re.escape(
+                f"{who}'s per_example_fn returned 'm' with shape {shape}, but per-example values "
+                f"need the batch's leading dimension, {rows}"
+            )
+            + ".*"
+            + re.escape(fix)
+        )
+
+    mean = lambda w, b: {"m": jnp.mean(b["x"])}  # noqa: E731
+    with pytest.raises(ValueError, match=expected("full_eval", ())):
+        full_eval(mean, None, data, mesh=mesh, batch_size=8)
+    with pytest.raises(ValueError, match=expected("full_eval", ())):
+        full_eval(mean, None, data, mesh=mesh, batch_size=8, collect=["m"])
+    half = lambda w, b: {"m": b["x"][:4]}  # noqa: E731
+    with pytest.raises(ValueError, match=expected("full_eval", (4,))):
+        full_eval(half, None, data, mesh=mesh, batch_size=8)
+    with pytest.raises(ValueError, match=expected("stream_eval", (), rows=16)):
+        stream_eval(mean, None, [data], mesh=mesh, rows_per_process=16)
+
+
+def test_per_example_values_give_exact_means():
+    mesh = meshkit.make_mesh("data=-1")
+    data = {"x": np.arange(10.0)}
+    result = full_eval(lambda w, b: {"m": b["x"]}, None, data, mesh=mesh, batch_size=8)
+    assert result.metrics == {"m": 4.5} and result.count == 10  # not 3.225: padding excluded
+
+    def rows_of_8(w, batch):  # a trailing axis as long as the batch: rows are masked, not columns
+        return {"v": batch["x"][:, None] * jnp.ones((1, 8)), "m": batch["x"]}
+
+    result = full_eval(rows_of_8, None, data, mesh=mesh, batch_size=8)
+    assert result.metrics == {"v": 8 * 4.5, "m": 4.5}
 
 
 def test_full_eval_bad_arguments():
@@ -115,8 +157,67 @@ def test_pad_shard_unpad_static_return_with_mask():
 def test_pad_shard_unpad_rejects_mismatched_rows():
     mesh = meshkit.make_mesh("data=-1")
     wrapped = pad_shard_unpad(jax.jit(lambda a, b: a + b), mesh, static_argnums=())
-    with pytest.raises(ValueError, match=r"different numbers of rows: \{'\[0\]': 3, '\[1\]': 4\}"):
+    rows = "{\"['args'][0]\": 3, \"['args'][1]\": 4}"
+    with pytest.raises(ValueError, match=re.escape(f"different numbers of rows: {rows}")):
         wrapped(np.ones(3), np.ones(4))
+    keyword = pad_shard_unpad(jax.jit(lambda w, a, *, b: w * a + b), mesh)
+    rows = "{\"['args'][1]\": 3, \"['kwargs']['b']\": 4}"
+    with pytest.raises(ValueError, match=re.escape(f"different numbers of rows: {rows}")):
+        keyword(2.0, np.ones(3), b=np.ones(4))
+
+
+PAD_DTYPES = [np.float32, np.uint8, jnp.bfloat16, np.int32]
+PAD_ROWS = sorted({1, max(D - 1, 1), D, D + 1, 2 * D + 3})
+
+
+def _affine_input(rows: int, dtype) -> np.ndarray:
+    return (np.arange(rows * 3) % 200).reshape(rows, 3).astype(dtype)
+
+
+def _assert_same(out, expected) -> None:
+    expected = np.asarray(expected)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_array_equal(out.astype(np.float64), expected.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=lambda dtype: np.dtype(dtype).name)
+@pytest.mark.parametrize("n", PAD_ROWS)
+def test_pad_shard_unpad_passes_static_keywords_through(n, dtype):
+    mesh = meshkit.make_mesh("data=-1")
+    affine = jax.jit(lambda params, a, *, b: params * a + b, static_argnames=("b",))
+    x = _affine_input(n, dtype)
+    out = pad_shard_unpad(affine, mesh, static_argnames=("b",))(5, x, b=10)
+    assert out.dtype == np.dtype(dtype)
+    _assert_same(out, affine(5, x, b=10))
+    one_name = pad_shard_unpad(affine, mesh, static_argnames="b", min_batch=2 * D + 3)
+    _assert_same(one_name(5, x, b=10), affine(5, x, b=10))
+
+
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=lambda dtype: np.dtype(dtype).name)
+@pytest.mark.parametrize("n", PAD_ROWS)
+def test_pad_shard_unpad_batches_other_keywords_like_flax(n, dtype):
+    mesh = meshkit.make_mesh("data=-1")
+    affine = jax.jit(lambda params, a, *, b: params * a + b)
+    x, y = _affine_input(n, dtype), _affine_input(n, dtype)[::-1]
+    _assert_same(pad_shard_unpad(affine, mesh)(5, x, b=y), affine(5, x, b=y))
+
+
+def test_pad_shard_unpad_keyword_errors_name_the_fix():
+    mesh = meshkit.make_mesh("data=-1")
+    affine = jax.jit(lambda params, a, *, b: params * a + b, static_argnames=("b",))
+    x = np.ones((3, 2), np.float32)
+    expected = r"keyword argument 'b' = 10, a scalar: .* give static_argnames=\('b',\)"
+    with pytest.raises(ValueError, match=expected):
+        pad_shard_unpad(affine, mesh)(5, x, b=10)
+    with pytest.raises(ValueError, match=r"argument 0 = 5, a scalar: .* add 0 to static_argnums"):
+        pad_shard_unpad(affine, mesh, static_argnums=())(5, x, b=10)
+    with pytest.raises(TypeError, match=r"static_argnames=\('b', 1\), with \[1\] not a string"):
+        pad_shard_unpad(affine, mesh, static_argnames=("b", 1))  # pyright: ignore[reportArgumentType]
+    masked = pad_shard_unpad(
+        jax.jit(lambda a, mask: a), mesh, static_argnums=(), static_return=True, with_mask=True
+    )
+    with pytest.raises(ValueError, match="passes mask= itself, but the call passed mask= too"):
+        masked(x, mask=np.ones(3, bool))
 
 
 def _batch_axis_mesh() -> jax.sharding.Mesh:

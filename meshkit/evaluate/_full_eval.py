@@ -17,7 +17,7 @@ from meshkit._inflight import InFlight, default_max_in_flight
 from meshkit._mesh import DATA_AXIS, check_data_axis
 from meshkit._types import PerExampleFn
 from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
-from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, check_per_example, masked_sums, zero_totals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +40,17 @@ class EvalResult:
 
 @functools.lru_cache(maxsize=32)
 def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mesh) -> Any:
-    """One jitted step per (function, collected names, mesh): compiled once per batch shape."""
+    """One jitted step per (function, collected names, mesh): compiled once per batch shape.
+
+    Every value ``per_example_fn`` returns, collected or averaged, is checked to have
+    the batch's leading dimension while the step is traced (once per compile).
+    """
     replicated = replicated_sharding(mesh)
 
     def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         values = dict(per_example_fn(state, batch))
+        rows = batch["mask"].shape[0]
+        check_per_example(values, rows, what="full_eval's per_example_fn returned")
         kept = {name: values.pop(name) for name in collect}
         sums = masked_sums(values, batch["mask"])
         return {name: totals[name] + sums[name] for name in sums}, kept
@@ -99,7 +105,9 @@ def full_eval(
 
     Args:
       per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``. The
-        batch holds the data fields plus ``mask`` and ``index``.
+        batch holds the data fields plus ``mask`` and ``index``. Every value needs the
+        batch's leading dimension (checked when the step is traced): a batch-level
+        value such as a mean would average the padded rows in, so it is an error.
       state: passed to ``per_example_fn`` (e.g. a train state or parameters).
       data: an ``EvalPipeline``, or a dict of in-memory arrays with ``mesh`` and
         ``batch_size`` (global) given.

@@ -17,11 +17,48 @@ from meshkit._types import PerExampleFn
 Totals = dict[str, jax.Array]
 
 
+def check_per_example(values: Mapping[str, Any], rows: int, *, what: str) -> None:
+    """Raises unless every value has ``rows`` as its leading dimension: one value per example.
+
+    Shapes are static, so inside a jitted step this runs once, while it is traced. A
+    scalar here is usually a mean over the batch, which would average the padded rows
+    in with the real ones.
+
+    Args:
+      values: the per-example values, by name.
+      rows: the batch's leading dimension (padded rows included).
+      what: who got the values, for the message (``"full_eval's per_example_fn returned"``).
+
+    Raises:
+      ValueError: a value is a scalar or has another leading dimension; the message
+        names it, its shape, the expected leading size and the fix.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_per_example({"loss": np.zeros(4)}, 4, what="example got")
+        >>> mean = {"loss": np.float32(0)}
+        >>> check_per_example(mean, 4, what="example got")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: example got 'loss' with shape (), but per-example values need the ...
+    """
+    for name, value in values.items():
+        shape = tuple(np.shape(value))
+        if not shape or shape[0] != rows:
+            raise ValueError(
+                f"{what} {name!r} with shape {shape}, but per-example values need the "
+                f"batch's leading dimension, {rows} (padded rows included); a batch-level "
+                "value would average the padding in with the real rows. Return one value "
+                "per example, e.g. a vector of shape (batch,), not its mean."
+            )
+
+
 def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
     """Sums of each per-example value over the real rows, and their ``count``.
 
-    Masking uses ``where``, not multiplication: a NaN computed on a padded row would
-    survive ``x * 0``.
+    Every value needs the mask's leading dimension (``check_per_example``); a value
+    with more dimensions is summed over them too. Masking uses ``where``, not
+    multiplication: a NaN computed on a padded row would survive ``x * 0``.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -30,12 +67,18 @@ def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
         >>> float(sums["loss"]), int(sums["count"])
         (4.0, 2)
     """
+    check_per_example(values, mask.shape[0], what="masked_sums got")
     sums = {
-        name: jnp.sum(jnp.where(mask, value, 0).astype(jnp.float32))
+        name: jnp.sum(jnp.where(_rows_mask(mask, value), value, 0).astype(jnp.float32))
         for name, value in values.items()
     }
     sums["count"] = jnp.sum(mask.astype(jnp.int32))
     return sums
+
+
+def _rows_mask(mask: jax.Array, value: jax.Array) -> jax.Array:
+    """``mask`` shaped to mask whole rows of ``value`` (``where`` aligns trailing axes)."""
+    return mask.reshape(mask.shape + (1,) * (jnp.ndim(value) - 1))
 
 
 class _Unhashed:

@@ -18,7 +18,7 @@ from meshkit._pytree import leading_rows
 from meshkit._types import PerExampleFn
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
-from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, check_per_example, masked_sums, zero_totals
 
 
 @functools.lru_cache(maxsize=32)
@@ -26,7 +26,10 @@ def _stream_step(per_example_fn: PerExampleFn, mesh: Mesh) -> Any:
     replicated = replicated_sharding(mesh)
 
     def step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
-        sums = masked_sums(per_example_fn(state, batch), batch["mask"])
+        values = dict(per_example_fn(state, batch))
+        rows = batch["mask"].shape[0]
+        check_per_example(values, rows, what="stream_eval's per_example_fn returned")
+        sums = masked_sums(values, batch["mask"])
         more = jnp.any(batch["more"])  # does any process hold another batch?
         return {name: totals[name] + sums[name] for name in sums}, more
 
@@ -66,7 +69,8 @@ def stream_eval(
     processes stop at the same step. The cost is at most one extra, all-padding step.
 
     Args:
-      per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``.
+      per_example_fn: ``fn(state, batch) -> {"name": values of shape [batch]}``; a
+        value without the batch's leading dimension is an error, as in ``full_eval``.
       state: passed to ``per_example_fn``.
       local_batches: this process's batches (dicts of arrays with a leading row axis).
       mesh: the mesh; batches go over its ``data_axis`` axis.
