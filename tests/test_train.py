@@ -203,6 +203,14 @@ def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
         )  # fmt: skip
 
 
+def test_fit_refuses_a_batch_level_eval_value(tmp_path):
+    with pytest.raises(ValueError, match=r"returned 'm' with shape \(\), but per-example"):
+        fit(
+            meshkit.make_mesh("data=-1"), tmp_path, 10,
+            per_example_fn=lambda state, batch: {"m": jnp.mean(batch["image"])},
+        )  # fmt: skip
+
+
 def poisoned_setup(bad):
     """``setup`` with a loss that is NaN at the steps where ``bad(state.step)`` holds."""
 
