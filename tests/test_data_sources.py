@@ -6,8 +6,10 @@ pickles with bytes keys) and read back; corrupt variants check the error message
 
 from __future__ import annotations
 
+import builtins
 import gzip
 import json
+import os
 import pickle
 import struct
 import subprocess
@@ -27,6 +29,7 @@ from meshkit.data import (
     cifar100,
     digits,
     fashion_mnist,
+    load_npz,
     mnist,
     synthetic,
     write_array_record,
@@ -162,8 +165,11 @@ def test_mnist_count_mismatch_names_both_counts(tmp_path):
 def test_mnist_label_out_of_range(tmp_path):
     write_mnist(tmp_path)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([1, 12, 3], np.uint8))
-    with pytest.raises(ValueError, match=r"labels in \[1, 12\]; expected \[0, 9\]"):
+    with pytest.raises(ValueError) as info:
         mnist(tmp_path, "test")
+    message = str(info.value)
+    assert str(tmp_path / "t10k-labels-idx1-ubyte") in message
+    assert "label 12 at index 1 is outside the classes [0, 10)" in message
 
 
 def test_bad_split_is_rejected(tmp_path):
@@ -501,3 +507,266 @@ def test_convert_cli_on_cifar10(tmp_path):
     assert missing.returncode == 2
     assert "MNIST train images and labels not found" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def labelled(labels: list[int], dtype: type = np.int32) -> dict[str, np.ndarray]:
+    n = len(labels)
+    return {
+        "image": np.arange(n * 4, dtype=np.float32).reshape(n, 2, 2),
+        "label": np.array(labels, dtype),
+    }
+
+
+def assert_label_error(message: str, where: str, value: int, at: str) -> None:
+    """The message names the source, the value and its index, and says how to fix it."""
+    assert where in message and f"label {value} at {at}" in message, message
+    assert "np.unique(labels, return_inverse=True)" in message and "ignore_label=" in message
+
+
+@pytest.mark.parametrize(("value", "num_classes"), [(-1, 10), (-1, None), (10, 10), (12, 10)])
+def test_array_source_rejects_labels_outside_the_classes(value, num_classes):
+    with pytest.raises(ValueError) as info:
+        ArraySource(labelled([3, 0, value, 9]), name="train", num_classes=num_classes)
+    assert_label_error(str(info.value), "ArraySource 'train'", value, "index 2")
+    if num_classes is not None:
+        assert f"outside the classes [0, {num_classes})" in str(info.value)
+
+
+def test_array_source_counts_the_other_bad_labels():
+    with pytest.raises(ValueError, match=r"label -1 at index 1 .*; 2 more example\(s\)"):
+        ArraySource(labelled([0, -1, 5, 10, 11]), num_classes=10)
+
+
+def test_array_source_without_num_classes_admits_any_non_negative_label():
+    source = ArraySource(labelled([0, 7, 1000]))
+    assert source.num_classes is None
+    np.testing.assert_array_equal(source.arrays["label"], [0, 7, 1000])
+
+
+def test_array_source_keeps_valid_labels_unchanged():
+    arrays = labelled([9, 0, 4], dtype=np.uint8)
+    source = ArraySource(arrays, num_classes=10)
+    assert source.num_classes == 10 and source.ignore_label is None
+    for key, value in arrays.items():
+        np.testing.assert_array_equal(source.arrays[key], value)
+        assert source.arrays[key].dtype == value.dtype
+    assert source.fingerprint == ArraySource(arrays).fingerprint  # num_classes is not data
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.bool_])
+def test_array_source_rejects_non_integer_labels(dtype):
+    with pytest.raises(ValueError, match=r"ArraySource 'arrays': field 'label' has dtype") as info:
+        ArraySource({"label": np.zeros(3, dtype)})
+    assert "astype(np.int32)" in str(info.value)
+
+
+def test_array_source_only_checks_the_label_field():
+    source = ArraySource({"y": np.array([-1, 5]), "target": np.array([0.5, 2.0])}, num_classes=2)
+    assert len(source) == 2
+
+
+def test_ignore_label_is_admitted_and_must_not_be_a_class():
+    source = ArraySource(labelled([3, -1, 9]), num_classes=10, ignore_label=-1)
+    np.testing.assert_array_equal(source.arrays["label"], [3, -1, 9])
+    with pytest.raises(ValueError, match=r"label -2 at index 1"):
+        ArraySource(labelled([3, -2, 9]), num_classes=10, ignore_label=-1)
+    with pytest.raises(ValueError, match=r"ignore_label=3 is one of the classes \[0, 10\)"):
+        ArraySource(labelled([3]), num_classes=10, ignore_label=3)
+    with pytest.raises(ValueError, match=r"ignore_label=255 cannot be told apart"):
+        ArraySource(labelled([3]), ignore_label=255)
+    with pytest.raises(ValueError, match=r"num_classes must be an int >= 1, got 0"):
+        ArraySource(labelled([0]), num_classes=0)
+
+
+@pytest.mark.parametrize(("value", "num_classes"), [(-1, 10), (-1, None), (10, 10)])
+def test_load_npz_rejects_bad_labels_naming_the_file(tmp_path, value, num_classes):
+    path = tmp_path / "d.npz"
+    np.savez(path, label=np.array([1, value]), image=np.zeros((2, 3)))
+    with pytest.raises(ValueError) as info:
+        load_npz(path, num_classes=num_classes)
+    assert_label_error(str(info.value), str(path), value, "index 1")
+
+
+def test_load_npz_keeps_valid_data_unchanged(tmp_path):
+    arrays = labelled([1, 0, 2])
+    np.savez(tmp_path / "d.npz", image=arrays["image"], label=arrays["label"])
+    source = load_npz(tmp_path / "d.npz", num_classes=3)
+    assert source.num_classes == 3
+    for key, value in arrays.items():
+        np.testing.assert_array_equal(source.arrays[key], value)
+    np.savez(tmp_path / "f.npz", label=np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"f\.npz: field 'label' has dtype float64"):
+        load_npz(tmp_path / "f.npz")
+    np.savez(tmp_path / "i.npz", label=np.array([1, -1]))
+    assert load_npz(tmp_path / "i.npz", num_classes=3, ignore_label=-1).ignore_label == -1
+
+
+def test_file_readers_set_num_classes(tmp_path):
+    write_mnist(tmp_path / "mnist")
+    write_cifar10(tmp_path / "c10")
+    write_cifar100(tmp_path / "c100")
+    assert mnist(tmp_path / "mnist", "test").num_classes == 10
+    assert cifar10(tmp_path / "c10", "test").num_classes == 10
+    assert cifar100(tmp_path / "c100", "test").num_classes == 100
+    assert cifar100(tmp_path / "c100", "test", label="coarse").num_classes == 20
+    assert digits("test").num_classes == 10
+    assert synthetic(4, (2,), num_classes=3).num_classes == 3
+
+
+@pytest.mark.parametrize("value", [-1, 10])
+def test_cifar_rejects_labels_outside_the_classes(tmp_path, value):
+    write_cifar10(tmp_path)
+    write_pickle(
+        tmp_path / "test_batch", cifar_batch(3, np.random.default_rng(0), labels=[0, 4, value])
+    )
+    with pytest.raises(ValueError) as info:
+        cifar10(tmp_path, "test")
+    assert_label_error(str(info.value), str(tmp_path / "test_batch"), value, "index 2")
+
+
+def test_array_record_keeps_num_classes_and_checks_labels_as_it_reads(tmp_path):
+    source = ArraySource(labelled([0, 2, 1, 2]), num_classes=3)
+    path = write_array_record(source, tmp_path / "s.array_record")
+    assert json.loads(sidecar_path(path).read_text())["num_classes"] == 3
+    read = ArrayRecordSource(path)
+    assert read.num_classes == 3 and read.ignore_label is None
+    assert_same_records(source, read)
+    with pytest.raises(ValueError) as info:  # an explicit num_classes wins over the sidecar
+        ArrayRecordSource(path, num_classes=2).getitems([0, 1, 3])
+    assert_label_error(str(info.value), str(path), 2, "record 1")
+    assert "outside the classes [0, 2)" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        ArrayRecordSource(path, num_classes=2)[3]
+    assert_label_error(str(info.value), str(path), 2, "record 3")
+    assert int(ArrayRecordSource(path, num_classes=2)[0]["label"]) == 0  # valid records read
+
+
+def test_array_record_rejects_negative_labels_on_read_and_write(tmp_path):
+    source = ArraySource(labelled([0, -1, 5]), ignore_label=-1)
+    path = write_array_record(source, tmp_path / "s.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    assert spec["ignore_label"] == -1 and "num_classes" not in spec
+    assert_same_records(source, ArrayRecordSource(path))
+    del spec["ignore_label"]
+    sidecar_path(path).write_text(json.dumps(spec))
+    read = ArrayRecordSource(path)
+    assert int(read[2]["label"]) == 5
+    with pytest.raises(ValueError) as info:
+        read[1]
+    assert_label_error(str(info.value), str(path), -1, "record 1")
+    with pytest.raises(ValueError, match=r"label -1 at record 1"):
+        read.getitems(np.array([2, 1, 0]))
+
+    class Unchecked:
+        """A source of its own: nothing checked its labels before the writer."""
+
+        fingerprint = "unchecked"
+        num_classes = 10
+
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+            return {"label": np.asarray([4, 11, 2][index], np.int32)}
+
+    with pytest.raises(ValueError) as info:
+        write_array_record(Unchecked(), tmp_path / "u.array_record")
+    assert_label_error(str(info.value), "Unchecked written to", 11, "example 1")
+    assert not (tmp_path / "u.array_record").exists()
+
+
+def test_array_record_rejects_a_float_label_field_and_bad_sidecar_entries(tmp_path):
+    path = write_array_record(ArraySource({"x": np.arange(3.0)}), tmp_path / "f.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    spec["fields"][0]["name"] = "label"
+    sidecar_path(path).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"f\.array_record\.json: field 'label' has dtype float64"):
+        ArrayRecordSource(path)
+    path = write_array_record(ArraySource(labelled([0, 1])), tmp_path / "s.array_record")
+    spec = json.loads(sidecar_path(path).read_text())
+    sidecar_path(path).write_text(json.dumps({**spec, "num_classes": "10"}))
+    with pytest.raises(ValueError, match=r"s\.array_record\.json has num_classes='10'"):
+        ArrayRecordSource(path)
+
+
+# ------------------------------------------------------------ CIFAR pickles run no code
+
+
+class RunsCode:
+    """A pickle payload: unpickling it calls ``function(*args)``."""
+
+    def __init__(self, function: object, *args: object):
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return self.function, self.args
+
+
+def payloads(marker: Path) -> dict[str, RunsCode]:
+    touch = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    return {
+        "os.system": RunsCode(os.system, f"touch {marker}"),
+        "builtins.eval": RunsCode(builtins.eval, touch),
+        "builtins.exec": RunsCode(builtins.exec, touch),
+    }
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.eval", "builtins.exec"])
+@pytest.mark.parametrize("where", ["whole", "label", "data"])
+def test_cifar_pickle_that_calls_a_function_is_refused_and_runs_nothing(tmp_path, payload, where):
+    marker = tmp_path / "ran"
+    evil = payloads(marker)[payload]
+    write_cifar10(tmp_path)
+    batch = cifar_batch(2, np.random.default_rng(0), labels=[0, 1])
+    content = (
+        evil if where == "whole" else {**batch, {"label": b"labels", "data": b"data"}[where]: evil}
+    )
+    write_pickle(tmp_path / "test_batch", content)
+    with pytest.raises(ValueError) as info:
+        cifar10(tmp_path, "test")
+    message = str(info.value)
+    module, name = payload.split(".")
+    module = os.system.__module__ if module == "os" else module
+    assert str(tmp_path / "test_batch") in message and f"{module}.{name}" in message, message
+    assert "refused" in message and "official CIFAR archive" in message
+    assert not marker.exists()
+
+
+def test_cifar_pickle_refused_by_the_converter_too(tmp_path):
+    marker = tmp_path / "ran"
+    write_cifar10(tmp_path / "raw")
+    write_pickle(tmp_path / "raw" / "data_batch_3", payloads(marker)["os.system"])
+    done = run_cli("cifar10", "--data-dir", str(tmp_path / "raw"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "data_batch_3 was refused" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert "restricted unpickler" in " ".join(run_cli("--help").stdout.split())
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_cifar_pickles_of_every_protocol_still_read(tmp_path, protocol):
+    """Arrays, bytes keys, int and numpy-int label lists, as any writer may pickle them."""
+    batch = cifar_batch(3, np.random.default_rng(0), labels=[4, 0, 9])
+    batch[b"filenames"] = [b"a.png", b"b.png", b"c.png"]
+    batch[b"batch_label"] = b"testing batch 1 of 1"
+    (tmp_path / "test_batch").write_bytes(pickle.dumps(batch, protocol=protocol))
+    got = all_records(cifar10(tmp_path, "test"))
+    np.testing.assert_array_equal(got["image"], chw_to_hwc_by_hand(np.asarray(batch[b"data"])))
+    np.testing.assert_array_equal(got["label"], [4, 0, 9])
+    batch[b"labels"] = list(np.array([1, 2, 3], np.int64))  # numpy scalars
+    (tmp_path / "test_batch").write_bytes(pickle.dumps(batch, protocol=protocol))
+    np.testing.assert_array_equal(all_records(cifar10(tmp_path, "test"))["label"], [1, 2, 3])
+
+
+def test_cifar_pickle_written_by_numpy_1_reads(tmp_path):
+    """numpy 1.x names ``numpy.core.multiarray``; the official files were written so."""
+    batch = cifar_batch(2, np.random.default_rng(0), labels=[7, 1])
+    data = pickle.dumps(batch, protocol=2)
+    assert b"numpy._core.multiarray" in data
+    (tmp_path / "test_batch").write_bytes(data.replace(b"numpy._core.", b"numpy.core."))
+    got = all_records(cifar10(tmp_path, "test"))
+    np.testing.assert_array_equal(got["image"], chw_to_hwc_by_hand(np.asarray(batch[b"data"])))
+    np.testing.assert_array_equal(got["label"], [7, 1])

@@ -2,7 +2,8 @@
 
 Layout: one ArrayRecord record per example, holding the raw bytes of its fields
 concatenated in a fixed order, and a JSON sidecar ``<path>.json`` naming the fields,
-their dtypes and shapes, and the number of records. Records carry no pickles and no
+their dtypes and shapes, the number of records and, when the source knows them, its
+``num_classes`` and ``ignore_label``. Records carry no pickles and no
 per-record headers, so reading is ``np.frombuffer`` at known offsets.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ._labels import LABEL_FIELD, check_label_dtype, check_label_options, check_labels
 from ._source import Record, Source, source_fingerprint
 
 FORMAT = "meshkit.array_record.v1"
@@ -82,13 +84,50 @@ def _encode(record: Record, fields: list[_Field], index: int) -> bytes:
     return b"".join(parts)
 
 
+def _label_options(
+    source: Source, first: Record, where: str
+) -> tuple[int | None, int | None] | None:
+    """The source's ``(num_classes, ignore_label)``, or ``None`` when it has no label field."""
+    if LABEL_FIELD not in first:
+        return None
+    return check_label_options(
+        getattr(source, "num_classes", None), getattr(source, "ignore_label", None), where=where
+    )
+
+
+def _check_written_label(
+    record: Record, index: int, where: str, labels: tuple[int | None, int | None]
+) -> None:
+    """Checks example ``index``'s label before it is written."""
+    num_classes, ignore_label = labels
+    check_labels(
+        np.asarray(record[LABEL_FIELD])[None],
+        where=where,
+        num_classes=num_classes,
+        ignore_label=ignore_label,
+        indices=np.array([index]),
+        item="example",
+    )
+
+
+def _label_entries(labels: tuple[int | None, int | None] | None) -> dict[str, int]:
+    """The sidecar entries ``num_classes`` and ``ignore_label``, those that are known."""
+    if labels is None:
+        return {}
+    entries = dict(zip(("num_classes", "ignore_label"), labels, strict=True))
+    return {name: value for name, value in entries.items() if value is not None}
+
+
 def write_array_record(source: Source, path: str | Path) -> Path:
     """Writes every example of ``source`` to the ArrayRecord file ``path`` (+ sidecar).
 
     Each example becomes one record: its fields' raw bytes concatenated. All examples
     must share field names, dtypes and shapes (those of example 0). The file is written
     with ``group_size:1`` (fast random access) under a temporary name and renamed when
-    complete; the sidecar ``path + ".json"`` is written last.
+    complete; the sidecar ``path + ".json"`` is written last. A ``"label"`` field is
+    checked as it is written (integer, non-negative, below ``source.num_classes`` when
+    the source has one); the sidecar keeps the source's ``num_classes`` and
+    ``ignore_label`` so that :class:`ArrayRecordSource` checks them on reading.
 
     Args:
         source: Any :class:`Source` with at least one example.
@@ -98,7 +137,8 @@ def write_array_record(source: Source, path: str | Path) -> Path:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: The source is empty, or an example's fields differ from example 0's.
+        ValueError: The source is empty, an example's fields differ from example 0's, or
+            a label is not a class index.
 
     Examples:
         >>> import tempfile
@@ -115,12 +155,18 @@ def write_array_record(source: Source, path: str | Path) -> Path:
         raise ValueError(f"Cannot write {path}: the source has no examples.")
     first = source[0]
     fields = _fields_of(first)
+    where = f"{type(source).__name__} written to {path}"
+    labels = _label_options(source, first, where)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     writer = ArrayRecordWriter(str(partial), "group_size:1")
     try:
         for index in range(count):
-            writer.write(_encode(source[index] if index else first, fields, index))
+            record = source[index] if index else first
+            data = _encode(record, fields, index)
+            if labels is not None:
+                _check_written_label(record, index, where, labels)
+            writer.write(data)
     except BaseException:
         writer.close()
         partial.unlink(missing_ok=True)
@@ -132,13 +178,19 @@ def write_array_record(source: Source, path: str | Path) -> Path:
         "count": count,
         "fields": [{"name": f.name, "dtype": f.dtype.str, "shape": list(f.shape)} for f in fields],
         "source_fingerprint": source_fingerprint(source),
+        **_label_entries(labels),
     }
     sidecar_path(path).write_text(json.dumps(sidecar, indent=1) + "\n")
     return path
 
 
-def _parse_sidecar(path: Path, text: str) -> tuple[int, list[_Field]]:
-    """The count and fields of a sidecar; a ``ValueError`` naming ``path`` if malformed."""
+def _parse_sidecar(
+    path: Path, text: str
+) -> tuple[int, list[_Field], tuple[int | None, int | None]]:
+    """The count, fields and ``(num_classes, ignore_label)`` of a sidecar.
+
+    Raises a ``ValueError`` naming ``path`` if the sidecar is malformed.
+    """
     try:
         spec = json.loads(text)
         count = int(spec["count"])
@@ -156,7 +208,14 @@ def _parse_sidecar(path: Path, text: str) -> tuple[int, list[_Field]]:
             f"{path} has format {spec.get('format')!r} and {len(fields)} fields; expected "
             f"format {FORMAT!r} and at least one field. Rewrite it with write_array_record."
         )
-    return count, fields
+    labels = tuple(spec.get(key) for key in ("num_classes", "ignore_label"))
+    if not all(value is None or type(value) is int for value in labels):
+        raise ValueError(
+            f"{path} has num_classes={labels[0]!r} and ignore_label={labels[1]!r}; expected "
+            "integers or null. Fix them, or rewrite the sidecar with write_array_record."
+        )
+    num_classes, ignore_label = labels
+    return count, fields, (num_classes, ignore_label)
 
 
 class ArrayRecordSource:
@@ -167,12 +226,23 @@ class ArrayRecordSource:
     returned by ``source[i]`` are read-only views of the record's bytes;
     ``getitems(indices)`` returns a stacked, writable batch.
 
+    A ``"label"`` field must have an integer dtype (checked here) and each record's
+    label is checked as it is decoded: non-negative, below ``num_classes`` when known,
+    or equal to ``ignore_label``. Reading every record up front would cost a pass over
+    the file, so a bad label raises when its record is first read, naming the record.
+
     Args:
         path: The ArrayRecord file; its sidecar must sit beside it.
+        num_classes: The number of classes; by default the sidecar's ``num_classes``
+            (written from the source's), else only negative labels are refused.
+        ignore_label: A label value admitted besides the classes; by default the
+            sidecar's ``ignore_label``.
 
     Raises:
         FileNotFoundError: The file or its sidecar is missing.
-        ValueError: The sidecar is malformed, or disagrees with the file.
+        ValueError: The sidecar is malformed, or disagrees with the file, or the label
+            field is not of an integer dtype. Reading raises a ``ValueError`` for a
+            record whose label is not a class.
 
     Examples:
         >>> import tempfile
@@ -183,7 +253,13 @@ class ArrayRecordSource:
         (8, (4, 4, 3), (2,))
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        num_classes: int | None = None,
+        ignore_label: int | None = None,
+    ):
         import grain
 
         self.path = Path(path)
@@ -195,7 +271,16 @@ class ArrayRecordSource:
                     "meshkit.data.write_array_record or `python -m meshkit.data.convert`."
                 )
         text = sidecar.read_text()
-        self._count, self._fields = _parse_sidecar(sidecar, text)
+        self._count, self._fields, (saved_classes, saved_ignore) = _parse_sidecar(sidecar, text)
+        self.num_classes, self.ignore_label = check_label_options(
+            saved_classes if num_classes is None else num_classes,
+            saved_ignore if ignore_label is None else ignore_label,
+            where=str(self.path),
+        )
+        label = next((field for field in self._fields if field.name == LABEL_FIELD), None)
+        if label is not None:
+            check_label_dtype(label.dtype, where=str(sidecar))
+        self._has_label = label is not None
         self._record_size = sum(field.nbytes for field in self._fields)
         try:
             self._records: Any = grain.sources.ArrayRecordDataSource(str(self.path))
@@ -242,6 +327,17 @@ class ArrayRecordSource:
                 f"{self._record_size} bytes per record ({fields}). Rewrite the file."
             )
 
+    def _check_labels(self, labels_K: np.ndarray, keys: Sequence[int]) -> None:
+        """Checks the labels of records ``keys`` as they are decoded (a min and a max)."""
+        check_labels(
+            labels_K,
+            where=str(self.path),
+            num_classes=self.num_classes,
+            ignore_label=self.ignore_label,
+            indices=np.asarray(keys),
+            item="record",
+        )
+
     def __getitem__(self, index: int) -> Record:
         key = self._key(index)
         record = self._records[key]
@@ -251,6 +347,8 @@ class ArrayRecordSource:
             count = math.prod(field.shape)
             out[field.name] = np.frombuffer(record, field.dtype, count, offset).reshape(field.shape)
             offset += field.nbytes
+        if self._has_label:
+            self._check_labels(out[LABEL_FIELD][None], [key])
         return out
 
     def getitems(self, indices: Sequence[int] | np.ndarray) -> Record:
@@ -265,4 +363,6 @@ class ArrayRecordSource:
             column = np.ascontiguousarray(bytes_KxB[:, offset : offset + field.nbytes])
             out[field.name] = column.view(field.dtype).reshape(len(keys), *field.shape)
             offset += field.nbytes
+        if self._has_label:
+            self._check_labels(out[LABEL_FIELD], keys)
         return out

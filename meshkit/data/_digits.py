@@ -158,7 +158,7 @@ def digits(
     images_NxHxWxC = np.repeat(images_NxHxW[..., None], channels, axis=-1)
     labels_N = _base_digits()[1][index]
     name = f"digits-{split}-{image_size}x{image_size}x{channels}"
-    return ArraySource({"image": images_NxHxWxC, "label": labels_N}, name=name)
+    return ArraySource({"image": images_NxHxWxC, "label": labels_N}, name=name, num_classes=10)
 
 
 def synthetic(
@@ -207,4 +207,4 @@ def synthetic(
     labels = rng.integers(0, num_classes, size=num_examples, dtype=np.int32)
     shape_text = "x".join(map(str, image_shape))
     name = f"synthetic-{num_examples}-{shape_text}-{dtype.name}-c{num_classes}-s{seed}"
-    return ArraySource({"image": images, "label": labels}, name=name)
+    return ArraySource({"image": images, "label": labels}, name=name, num_classes=num_classes)

@@ -4,17 +4,18 @@ Nothing here downloads. Every reader validates what it reads and raises a
 ``FileNotFoundError`` or ``ValueError`` naming the file, what was found and what was
 expected.
 
-Security: CIFAR's official format is Python pickle, and unpickling runs code chosen by
-whoever wrote the file. Only read CIFAR files from a trusted source (the official
-archive); convert them once with ``python -m meshkit.data.convert`` to ArrayRecord,
-which holds raw bytes only.
+Security: CIFAR's official format is Python pickle, and a plain ``pickle.load`` runs
+any function the file names. CIFAR files are read with a restricted unpickler
+(``meshkit.data._unpickle``) that rebuilds dicts, lists, bytes, numbers and numpy
+arrays only and refuses a file naming any other global before calling it. Converting
+them once with ``python -m meshkit.data.convert`` to ArrayRecord (raw bytes only)
+leaves no pickle to read at all.
 """
 
 from __future__ import annotations
 
 import gzip
 import math
-import pickle
 import struct
 import zlib
 from pathlib import Path
@@ -22,7 +23,9 @@ from typing import Literal
 
 import numpy as np
 
+from ._labels import check_labels
 from ._source import ArraySource
+from ._unpickle import load_cifar_pickle
 
 IDX_IMAGES_MAGIC = 2051
 """Magic number of an IDX file of unsigned bytes with 3 dimensions (images)."""
@@ -117,14 +120,6 @@ def _find_idx_files(data_dir: Path, split: str, dataset: str) -> tuple[Path, Pat
     return images_path, labels_path
 
 
-def _check_labels(path: Path, labels: np.ndarray, num_classes: int) -> None:
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ValueError(
-            f"{path} has labels in [{labels.min()}, {labels.max()}]; expected "
-            f"[0, {num_classes - 1}]."
-        )
-
-
 def _read_idx_pair(data_dir: str | Path, split: str, dataset: str) -> ArraySource:
     _check_split(split)
     data_dir = Path(data_dir)
@@ -136,9 +131,9 @@ def _read_idx_pair(data_dir: str | Path, split: str, dataset: str) -> ArraySourc
             f"{images_path} holds {len(images_NxHxW)} images but {labels_path} holds "
             f"{len(labels_N)} labels; the two files must come from the same split."
         )
-    _check_labels(labels_path, labels_N, 10)
+    check_labels(labels_N, where=str(labels_path), num_classes=10)
     arrays = {"image": images_NxHxW[..., None], "label": labels_N.astype(np.int32)}
-    return ArraySource(arrays, name=f"{dataset}-{split}")
+    return ArraySource(arrays, name=f"{dataset}-{split}", num_classes=10)
 
 
 def mnist(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySource:
@@ -211,14 +206,7 @@ def _find_cifar_files(data_dir: Path, subdir: str, names: list[str], title: str)
 
 
 def _unpickle(path: Path, keys: tuple[bytes, ...]) -> dict[bytes, object]:
-    try:
-        with path.open("rb") as file:
-            batch = pickle.load(file, encoding="bytes")
-    except Exception as error:  # unpickling can fail in many ways; all mean "not CIFAR"
-        raise ValueError(
-            f"{path} is not a readable CIFAR pickle ({type(error).__name__}: {error}); "
-            "expected the python version of the official archive."
-        ) from None
+    batch = load_cifar_pickle(path)
     if not isinstance(batch, dict) or not all(key in batch for key in keys):
         found = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
         raise ValueError(
@@ -250,7 +238,7 @@ def _load_cifar_batch(
             f"{path} holds {len(data)} images but {labels.size} {label_key.decode()}; "
             "expected one label per image."
         )
-    _check_labels(path, labels, num_classes)
+    check_labels(labels, where=str(path), num_classes=num_classes)
     return data, labels.astype(np.int32)
 
 
@@ -259,9 +247,8 @@ def _read_cifar(paths: list[Path], label_key: bytes, num_classes: int, name: str
     data_Nx3072 = np.concatenate([data for data, _ in batches])
     images_NxHxWxC = data_Nx3072.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     labels_N = np.concatenate([labels for _, labels in batches])
-    return ArraySource(
-        {"image": np.ascontiguousarray(images_NxHxWxC), "label": labels_N}, name=name
-    )
+    arrays = {"image": np.ascontiguousarray(images_NxHxWxC), "label": labels_N}
+    return ArraySource(arrays, name=name, num_classes=num_classes)
 
 
 def cifar10(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySource:
@@ -271,8 +258,10 @@ def cifar10(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySourc
     ``test_batch`` (``"test"``), found in ``data_dir`` or in its
     ``cifar-10-batches-py`` subfolder (where the official archive extracts).
 
-    Security: the files are Python pickles, which can run arbitrary code when read;
-    only read files from a trusted source (the official archive).
+    Security: the files are Python pickles. They are read with a restricted unpickler
+    that rebuilds numpy arrays, dicts, lists, bytes and numbers only; a file naming any
+    other global (``os.system``, ``builtins.eval``) is refused with a ``ValueError``
+    before anything it names is called.
 
     Args:
         data_dir: Folder holding the batches (or their ``cifar-10-batches-py`` folder).
@@ -284,7 +273,8 @@ def cifar10(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySourc
 
     Raises:
         FileNotFoundError: A batch is missing; the message lists every path tried.
-        ValueError: A file is not a CIFAR pickle, or has a wrong record size or count.
+        ValueError: A file is not a CIFAR pickle, names a disallowed global, has a wrong
+            record size or count, or has labels outside [0, 9].
 
     Examples:
         >>> import pickle, tempfile, numpy as np
@@ -311,7 +301,8 @@ def cifar100(
     """CIFAR-100 from the python pickles ``train`` / ``test`` in ``data_dir`` (no download).
 
     The files may sit in ``data_dir`` or in its ``cifar-100-python`` subfolder.
-    Security: they are Python pickles; only read files from a trusted source.
+    Security: they are Python pickles, read with the restricted unpickler of
+    :func:`cifar10`.
 
     Args:
         data_dir: Folder holding ``train`` and ``test`` (or their ``cifar-100-python``).
@@ -324,7 +315,8 @@ def cifar100(
 
     Raises:
         FileNotFoundError: The file is missing; the message lists every path tried.
-        ValueError: The file is not a CIFAR pickle, or has a wrong record size or count.
+        ValueError: The file is not a CIFAR pickle, names a disallowed global, has a
+            wrong record size or count, or has labels outside the classes.
 
     Examples:
         >>> import pickle, tempfile, numpy as np
