@@ -1,4 +1,4 @@
-"""Pytree paths and the leading (row) dimension that a batch's leaves share."""
+"""Pytree paths, signatures (structure, shapes, dtypes), and the leading (row) dimension."""
 
 from __future__ import annotations
 
@@ -20,6 +20,42 @@ def path_str(path: Iterable[Any]) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts)
+
+
+Signature = tuple[Any, ...]
+"""A pytree's structure with each leaf's shape and dtype: hashable, read without a device copy."""
+
+
+def signature(tree: Any) -> Signature:
+    """The structure, shapes and dtypes of ``tree``, e.g. as a cache key.
+
+    Examples:
+        >>> import numpy as np
+        >>> treedef, leaf = signature({"w": np.zeros((2, 3), np.float32)})
+        >>> leaf
+        ((2, 3), 'float32')
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, *((np.shape(leaf), _dtype_name(leaf)) for leaf in leaves))
+
+
+def abstract(signature: Signature) -> Any:
+    """The ``jax.ShapeDtypeStruct`` pytree a ``signature`` describes."""
+    treedef, *leaves = signature
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in leaves])
+
+
+def _dtype_name(leaf: Any) -> str:
+    try:
+        return str(leaf_dtype(leaf))
+    except TypeError:  # a leaf numpy cannot type: its class still keys a cache
+        return type(leaf).__name__
+
+
+def leaf_dtype(leaf: Any) -> np.dtype:
+    """A leaf's dtype: its ``dtype`` (no device copy for a ``jax.Array``), else numpy's."""
+    dtype = getattr(leaf, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
 
 
 def leading_rows(tree: Any, *, what: str, fix: str = "") -> int:

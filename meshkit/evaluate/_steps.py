@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshkit._host import replicated_sharding
+from meshkit._pytree import signature as pytree_signature
 from meshkit._types import PerExampleFn
 
 Totals = dict[str, jax.Array]
@@ -53,11 +54,14 @@ def check_per_example(values: Mapping[str, Any], rows: int, *, what: str) -> Non
             )
 
 
-def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
+def masked_sums(
+    values: Mapping[str, jax.Array], mask: jax.Array, *, what: str = "masked_sums got"
+) -> Totals:
     """Sums of each per-example value over the real rows, and their ``count``.
 
-    Every value needs the mask's leading dimension (``check_per_example``); a value
-    with more dimensions is summed over them too. Masking uses ``where``, not
+    Every value needs the mask's leading dimension (``check_per_example``; ``what``
+    names the values' source in its message); a value with more dimensions is summed
+    over them too. Masking uses ``where``, not
     multiplication: a NaN computed on a padded row would survive ``x * 0``.
 
     Examples:
@@ -67,7 +71,7 @@ def masked_sums(values: Mapping[str, jax.Array], mask: jax.Array) -> Totals:
         >>> float(sums["loss"]), int(sums["count"])
         (4.0, 2)
     """
-    check_per_example(values, mask.shape[0], what="masked_sums got")
+    check_per_example(values, mask.shape[0], what=what)
     sums = {
         name: jnp.sum(jnp.where(_rows_mask(mask, value), value, 0).astype(jnp.float32))
         for name, value in values.items()
@@ -106,19 +110,11 @@ def zero_totals(
     The names are traced once per function and input signature, not once per call, so
     repeated evaluations (``fit`` evaluates every ``eval_every`` steps) pay no tracing.
     """
-    signature = tuple(_signature(tree) for tree in (state, batch))
+    signature = tuple(pytree_signature(tree) for tree in (state, batch))
     names = _metric_names(per_example_fn, tuple(collect), signature, _Unhashed((state, batch)))
     zeros: dict[str, np.ndarray] = {name: np.zeros((), np.float32) for name in names}
     zeros["count"] = np.zeros((), np.int32)
     return jax.device_put(zeros, replicated_sharding(mesh))
-
-
-def _signature(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (
-        treedef,
-        *((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves),
-    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,10 +10,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._checks import check_int
+from meshkit._pytree import Signature, abstract, leaf_dtype, signature
 from meshkit.lbfgs._data import Dataset
-
-Signature = tuple[Any, ...]
-"""A pytree's structure with each leaf's shape and dtype: hashable, no device reads."""
 
 
 def check_setting(name: str, value: Any, *, low: float, integer: bool = False) -> None:
@@ -69,18 +67,12 @@ def check_params(params: Any) -> None:
     if not leaves:
         raise ValueError("params is an empty pytree; pass the starting parameters.")
     for path, leaf in leaves:
-        dtype = _dtype(leaf)
+        dtype = leaf_dtype(leaf)
         if not np.issubdtype(dtype, np.floating):
             raise TypeError(
                 f"Parameter {jax.tree_util.keystr(path) or '(root)'} has dtype {dtype}; L-BFGS "
                 "needs floating-point parameters. Start from e.g. np.zeros(shape, np.float32)."
             )
-
-
-def signature(tree: Any) -> Signature:
-    """The structure, shapes and dtypes of ``tree``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, *((np.shape(leaf), str(_dtype(leaf))) for leaf in leaves))
 
 
 def check_loss(loss_fn: Any, params: Any, data: Dataset) -> None:
@@ -91,14 +83,9 @@ def check_loss(loss_fn: Any, params: Any, data: Dataset) -> None:
     _check_loss_once(loss_fn, signature(params), signature(data.batch))
 
 
-def _abstract(signature: Signature) -> Any:
-    treedef, *leaves = signature
-    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in leaves])
-
-
 @functools.lru_cache(maxsize=256)
 def _check_loss_once(loss_fn: Any, params_signature: Signature, batch_signature: Signature) -> None:
-    params, batch = _abstract(params_signature), _abstract(batch_signature)
+    params, batch = abstract(params_signature), abstract(batch_signature)
     try:
         losses = jax.eval_shape(loss_fn, params, batch)
     except Exception as error:  # a user function failing on these shapes
@@ -121,10 +108,5 @@ def _check_loss_once(loss_fn: Any, params_signature: Signature, batch_signature:
         raise TypeError(f"loss_fn must return floating-point losses, got dtype {losses.dtype}.")
 
 
-def _dtype(leaf: Any) -> np.dtype:
-    dtype = getattr(leaf, "dtype", None)  # jax.Arrays: no device-to-host copy
-    return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
-
-
 def _shapes(tree: Any) -> str:
-    return str(jax.tree.map(lambda leaf: f"{_dtype(leaf)}{list(np.shape(leaf))}", tree))
+    return str(jax.tree.map(lambda leaf: f"{leaf_dtype(leaf)}{list(np.shape(leaf))}", tree))

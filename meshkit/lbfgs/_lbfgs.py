@@ -198,7 +198,7 @@ def _status(
 
 
 def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> LBFGSState:
-    """One iteration: direction from the two-loop recursion, line search, pair update."""
+    """One iteration: direction from the compact product, line search, pair update."""
     direction = jax.tree.map(jnp.negative, inverse_hessian_product(state, state.grad))
     slope = jnp.asarray(optax.tree.vdot(state.grad, direction))
     descent = jnp.isfinite(slope) & (slope < 0)

@@ -11,9 +11,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._host import replicated_sharding
+from meshkit._pytree import Signature, abstract, signature
 from meshkit._rules import PartitionRules, infer_shardings
 from meshkit.lbfgs import _lbfgs
-from meshkit.lbfgs._checks import Signature, signature
 from meshkit.lbfgs._data import Dataset
 from meshkit.lbfgs._lbfgs import LBFGSState, Options
 from meshkit.lbfgs._objective import L2Mask, PerExampleLoss, gradient_blocks_for, make_objective
@@ -52,9 +52,7 @@ def param_shardings(settings: Settings, params: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _param_shardings(settings: Settings, params: Signature) -> Any:
-    treedef, *leaves = params
-    abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in leaves])
-    return infer_shardings(abstract, settings.mesh, settings.param_rules)
+    return infer_shardings(abstract(params), settings.mesh, settings.param_rules)
 
 
 def state_shardings(settings: Settings, state: LBFGSState) -> Any:
