@@ -49,10 +49,10 @@ def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mes
 
     def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         values = dict(per_example_fn(state, batch))
-        rows = batch["mask"].shape[0]
-        check_per_example(values, rows, what="full_eval's per_example_fn returned")
+        what = "full_eval's per_example_fn returned"
         kept = {name: values.pop(name) for name in collect}
-        sums = masked_sums(values, batch["mask"])
+        check_per_example(kept, batch["mask"].shape[0], what=what)  # the rest: masked_sums
+        sums = masked_sums(values, batch["mask"], what=what)
         return {name: totals[name] + sums[name] for name in sums}, kept
 
     return jax.jit(eval_step, out_shardings=(replicated, None))

@@ -18,7 +18,7 @@ from meshkit._pytree import leading_rows
 from meshkit._types import PerExampleFn
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
-from meshkit.evaluate._steps import Totals, check_per_example, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
 
 
 @functools.lru_cache(maxsize=32)
@@ -27,9 +27,8 @@ def _stream_step(per_example_fn: PerExampleFn, mesh: Mesh) -> Any:
 
     def step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         values = dict(per_example_fn(state, batch))
-        rows = batch["mask"].shape[0]
-        check_per_example(values, rows, what="stream_eval's per_example_fn returned")
-        sums = masked_sums(values, batch["mask"])
+        what = "stream_eval's per_example_fn returned"
+        sums = masked_sums(values, batch["mask"], what=what)
         more = jnp.any(batch["more"])  # does any process hold another batch?
         return {name: totals[name] + sums[name] for name in sums}, more
 

@@ -13,6 +13,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from meshkit._pytree import path_str
+
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM after saving (EX_TEMPFAIL: "try again")."""
 
@@ -28,17 +30,10 @@ def abstract_like(state: Any) -> Any:
     )
 
 
-def _shapes_by_path(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Each leaf's shape under its path as plain names (dict keys, fields, indices alike)."""
-
-    def name(entry: Any) -> str:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(entry, attribute):
-                return str(getattr(entry, attribute))
-        return str(entry)
-
+def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Each leaf's shape under its path (``params/Dense_0/kernel``: keys and fields alike)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-    return {tuple(name(e) for e in path): tuple(leaf.shape) for path, leaf in leaves}
+    return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 class Checkpointer:
@@ -124,17 +119,16 @@ class Checkpointer:
         saved = _shapes_by_path(saved_tree)
         now = _shapes_by_path(target)
         lines = [
-            f"{'/'.join(path) or '<root>'}: saved {saved[path]}, now {now[path]}"
+            f"{path or '<root>'}: saved {saved[path]}, now {now[path]}"
             for path in sorted(saved.keys() & now.keys())
             if saved[path] != now[path]
         ]
         lines += [
-            f"{'/'.join(path)}: saved {saved[path]}, now nothing"
+            f"{path}: saved {saved[path]}, now nothing"
             for path in sorted(saved.keys() - now.keys())
         ]
         lines += [
-            f"{'/'.join(path)}: saved nothing, now {now[path]}"
-            for path in sorted(now.keys() - saved.keys())
+            f"{path}: saved nothing, now {now[path]}" for path in sorted(now.keys() - saved.keys())
         ]
         return lines
 
