@@ -1,12 +1,12 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
-from meshkit.train._checkpoint import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
-from meshkit.train._checkpoint import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._checkpoint import abstract_like as abstract_like
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._loop import fit as fit
+from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from meshkit.train._preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._state import Model as Model
 from meshkit.train._state import TrainState as TrainState
 from meshkit.train._state import abstract_train_state as abstract_train_state

@@ -18,7 +18,7 @@ from meshkit._inflight import InFlight, default_max_in_flight
 from meshkit._types import Batch, Metrics, PerExampleFn
 from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
 from meshkit.evaluate import full_eval
-from meshkit.train._checkpoint import Checkpointer, PreemptionWatcher, abstract_like
+from meshkit.train._checkpoint import Checkpointer, abstract_like
 from meshkit.train._interval import (
     WATCHED,
     Interval,
@@ -29,6 +29,7 @@ from meshkit.train._interval import (
     read_interval,
     zero_interval,
 )
+from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._state import TrainState
 from meshkit.train._step import classification_metrics
 
