@@ -65,7 +65,13 @@ def test_iterator_state_round_trip_resumes_exactly():
         next(first)
     state = first.state()
     first.close()
-    assert state == {"step": 3, "seed": 9, "global_batch_size": 16, "fingerprint": p.fingerprint}
+    assert state == {
+        "step": 3,
+        "seed": 9,
+        "shuffle": True,
+        "global_batch_size": 16,
+        "fingerprint": p.fingerprint,
+    }
     resumed = global_batches(GlobalBatchIterator(p, state=state), 5)
     for a, b in zip(full[3:], resumed, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -77,16 +83,43 @@ def test_iterator_state_round_trip_resumes_exactly():
         ({"seed": 1}, "seed: saved 0, now 1"),
         ({"batch": 24}, "global_batch_size: saved 16, now 24"),
         ({"source": make_source(99)}, "fingerprint: saved"),
+        ({"shuffle": False}, "shuffle: saved True, now False"),
     ],
 )
 def test_resume_refuses_a_different_pipeline(change, message):
     saved = {"step": 2, **pipeline(seed=0, batch=16).state_fields()}
     other = pipeline(
-        source=change.get("source"), batch=change.get("batch", 16), seed=change.get("seed", 0)
+        source=change.get("source"),
+        batch=change.get("batch", 16),
+        seed=change.get("seed", 0),
+        shuffle=change.get("shuffle", True),
     )
     with pytest.raises(ValueError, match="Cannot resume") as info:
         GlobalBatchIterator(other, state=saved)
     assert message in str(info.value)
+
+
+def test_resume_refuses_another_shuffle_setting_in_both_directions():
+    saved = {"step": 2, **pipeline(shuffle=False).state_fields()}
+    assert saved["shuffle"] is False
+    with pytest.raises(ValueError, match="shuffle: saved False, now True"):
+        GlobalBatchIterator(pipeline(shuffle=True), state=saved)
+    with pytest.raises(TypeError, match="shuffle must be True or False, got 'no'"):
+        pipeline(shuffle="no")
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_state_saved_without_shuffle_still_resumes_exactly(shuffle):
+    """Data states saved before ``shuffle`` was recorded: unknown, warned about, not refused."""
+    p = pipeline(batch=16, seed=3, shuffle=shuffle)
+    full = global_batches(GlobalBatchIterator(p), 4)
+    old = {"step": 2, "seed": 3, "global_batch_size": 16, "fingerprint": p.fingerprint}
+    with pytest.warns(UserWarning, match=rf"no \['shuffle'\] .* used shuffle={shuffle}"):
+        resumed = GlobalBatchIterator(p, state=old)
+    for a, b in zip(full[2:], global_batches(resumed, 2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"lacks \['seed'\]"):
+        GlobalBatchIterator(p, state={k: v for k, v in old.items() if k != "seed"})
 
 
 def test_finite_pipeline_stops_and_has_length():
@@ -173,3 +206,54 @@ def test_eval_transform_applies_to_real_rows_only():
     )
     (only,) = list(p.dataset())
     np.testing.assert_array_equal(only["x"], [1, 2, 3, 4, 5, 0, 0, 0])
+
+
+class Growing:
+    """A source whose length can change after a pipeline was built over it."""
+
+    fingerprint = "growing"
+
+    def __init__(self, n: int):
+        self.x = list(range(n))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return {"x": np.float32(self.x[index])}  # type: ignore[dict-item]
+
+    def __repr__(self) -> str:
+        return f"Growing({len(self.x)})"
+
+
+def test_eval_pipeline_refuses_a_source_that_grew_or_shrank():
+    """Once planned for 10 examples, a pass over 13 would silently leave 3 out."""
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    source = Growing(10)
+    p = EvalPipeline(source, global_batch_size=8, sharding=sharding)
+    assert sum(int(b["mask"].sum()) for b in p.local_batches()) == 10
+    source.x += [10, 11, 12]
+    for start in (lambda: next(GlobalBatchIterator(p)), lambda: next(p.local_batches())):
+        with pytest.raises(ValueError) as info:
+            start()
+        message = str(info.value)
+        assert "EvalPipeline had 10 examples when the pipeline was built and has 13 now" in (
+            message
+        ), message
+        assert "Growing(13)" in message and "Build a new pipeline" in message
+    source.x = source.x[:10]
+    unthreaded = EvalPipeline(source, global_batch_size=8, sharding=sharding, num_threads=0)
+    batches = unthreaded.local_batches()  # built one by one as asked: none built ahead
+    next(batches)
+    source.x = source.x[:9]  # shrinks mid-pass: refused before the next batch is built
+    with pytest.raises(ValueError, match=r"had 10 examples .* has 9 now"):
+        next(batches)
+
+
+def test_train_pipeline_refuses_a_source_that_grew():
+    source = Growing(40)
+    p = pipeline(source=source, batch=8)  # type: ignore[arg-type]
+    next(p.local_batches())
+    source.x.append(40)
+    with pytest.raises(ValueError, match=r"TrainPipeline had 40 examples .* has 41 now"):
+        p.local_batch(1)

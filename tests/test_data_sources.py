@@ -14,6 +14,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Literal
 
@@ -463,6 +464,122 @@ def test_array_record_rejects_inconsistent_examples_and_bad_indices(tmp_path):
     source = ArrayRecordSource(write_array_record(synthetic(3, (2,)), tmp_path / "s.array_record"))
     with pytest.raises(IndexError, match="Index 3 is out of range for 3 records"):
         source[3]
+
+
+def random_bytes_source(n: int = 6) -> ArraySource:
+    """Incompressible records: each one's bytes appear verbatim in the ArrayRecord file."""
+    return ArraySource({"x": np.random.default_rng(0).integers(0, 256, (n, 32), dtype=np.uint8)})
+
+
+def test_array_record_damaged_payload_names_the_file_and_record(tmp_path):
+    source = random_bytes_source()
+    path = write_array_record(source, tmp_path / "s.array_record")
+    data = bytearray(path.read_bytes())
+    offset = bytes(data).find(source.arrays["x"][3].tobytes())
+    assert offset > 0
+    data[offset + 5] ^= 0xFF  # one flipped bit pattern inside record 3
+    path.write_bytes(bytes(data))
+    read = ArrayRecordSource(path)  # the header and the index are intact
+    np.testing.assert_array_equal(read[2]["x"], source.arrays["x"][2])
+    for damaged in (lambda: read[3], lambda: read.getitems([1, 3, 5])):
+        with pytest.raises(ValueError) as info:
+            damaged()
+        message = str(info.value)
+        assert f"Record 3 of {path} cannot be read" in message, message
+        assert "damaged or truncated" in message and "write_array_record" in message
+
+
+def test_array_record_truncated_file_names_the_file_and_the_fix(tmp_path):
+    path = write_array_record(random_bytes_source(), tmp_path / "s.array_record")
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(ValueError) as info:
+        ArrayRecordSource(path)
+    message = str(info.value)
+    assert f"{path} is not a readable ArrayRecord file" in message, message
+    assert "python -m meshkit.data.convert" in message
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda spec: {**spec, "fields": [*spec["fields"], spec["fields"][0]]},
+            r"names the field\(s\) \['image'\] more than once \(image: \|u1\[2\], label: "
+            r"<i4\[\], image: \|u1\[2\]\)",
+        ),
+        (
+            lambda spec: json.dumps(spec).replace('"count": 3', '"count": 3, "count": 4'),
+            r"not a valid sidecar \(ValueError: the key\(s\) \['count'\] appear twice",
+        ),
+    ],
+    ids=["field_name", "json_key"],
+)
+def test_array_record_duplicate_sidecar_entries_are_refused(tmp_path, edit, expected):
+    path = write_array_record(synthetic(3, (2,)), tmp_path / "s.array_record")
+    edited = edit(json.loads(sidecar_path(path).read_text()))
+    sidecar_path(path).write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(ValueError, match=expected) as info:
+        ArrayRecordSource(path)
+    assert str(sidecar_path(path)) in str(info.value)
+    assert "write_array_record" in str(info.value)
+
+
+# -------------------------------------------------------------------------------- npz
+
+
+def damage_npz(tmp_path: Path, how: str) -> Path:
+    """An .npz file (or what claims to be one) damaged in one of the ways users meet."""
+    path = tmp_path / "d.npz"
+    arrays = {"image": np.arange(64.0).reshape(16, 4), "label": np.arange(16) % 3}
+    if how == "npy":
+        path = tmp_path / "d.npy"
+        np.save(path, arrays["image"])
+        return path
+    (np.savez_compressed if how == "deflate" else np.savez)(path, **arrays)
+    data = bytearray(path.read_bytes())
+    if how == "empty":
+        data = bytearray()
+    elif how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "not_zip":
+        data = bytearray(b"<html>404</html>")
+    else:  # a stored (crc) or deflated member with bytes overwritten in its data
+        data[150:170] = b"\x00" * 20
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("empty", "is not an .npz archive: it is empty"),
+        ("not_zip", "is not an .npz archive: it starts with b'<html>"),
+        ("truncated", "as an .npz archive (zipfile.BadZipFile: File is not a zip file)"),
+        ("crc", "Cannot read array 'image' of"),
+        ("deflate", "Cannot read array 'image' of"),
+        ("npy", "is a .npy file (one unnamed array, written by np.save)"),
+    ],
+)
+def test_load_npz_damaged_file_names_the_file_and_the_fix(tmp_path, how, expected):
+    path = damage_npz(tmp_path, how)
+    with pytest.raises(ValueError) as info:  # never BadZipFile, EOFError or TypeError
+        load_npz(path)
+    message = str(info.value)
+    assert str(path) in message and expected in message, message
+    assert "np.savez" in message
+
+
+def test_load_npz_refuses_pickles_and_foreign_zips_naming_the_array(tmp_path):
+    np.savez(tmp_path / "o.npz", x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match=r"array 'x' of .*o\.npz .* holds pickled Python objects"):
+        load_npz(tmp_path / "o.npz")
+    with zipfile.ZipFile(tmp_path / "z.npz", "w") as archive:
+        archive.writestr("notes.txt", "not an array")
+    with pytest.raises(ValueError, match=r"z\.npz holds 'notes\.txt', which is not a \.npy array"):
+        load_npz(tmp_path / "z.npz")
+    np.savez(tmp_path / "k.npz", image=np.zeros(2))
+    with pytest.raises(ValueError, match=r"has no arrays \['label'\]; it holds \['image'\]"):
+        load_npz(tmp_path / "k.npz", keys=("image", "label"))
 
 
 # ---------------------------------------------------------------------------- convert

@@ -184,6 +184,29 @@ def write_array_record(source: Source, path: str | Path) -> Path:
     return path
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (``json`` keeps the last)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key(s) {twice} appear twice in one object")
+    return dict(pairs)
+
+
+def _check_unique_fields(path: Path, fields: list[_Field]) -> None:
+    """Refuses a sidecar naming a field twice: the record would silently lose one of them."""
+    names = [field.name for field in fields]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        listed = ", ".join(field.describe() for field in fields)
+        raise ValueError(
+            f"{path} names the field(s) {twice} more than once ({listed}); every field of a "
+            "record needs its own name. Remove or rename the duplicates in its 'fields' "
+            "(keeping their bytes in the order written), or rewrite the file with "
+            "write_array_record."
+        )
+
+
 def _parse_sidecar(
     path: Path, text: str
 ) -> tuple[int, list[_Field], tuple[int | None, int | None]]:
@@ -192,7 +215,7 @@ def _parse_sidecar(
     Raises a ``ValueError`` naming ``path`` if the sidecar is malformed.
     """
     try:
-        spec = json.loads(text)
+        spec = json.loads(text, object_pairs_hook=_unique_keys)
         count = int(spec["count"])
         fields = [
             _Field(str(f["name"]), np.dtype(f["dtype"]), tuple(int(n) for n in f["shape"]))
@@ -203,6 +226,7 @@ def _parse_sidecar(
             f"{path} is not a valid sidecar ({type(error).__name__}: {error}); expected JSON "
             "with 'count' and 'fields' (name, dtype, shape) as written by write_array_record."
         ) from None
+    _check_unique_fields(path, fields)
     if spec.get("format") != FORMAT or not fields:
         raise ValueError(
             f"{path} has format {spec.get('format')!r} and {len(fields)} fields; expected "
@@ -216,6 +240,13 @@ def _parse_sidecar(
         )
     num_classes, ignore_label = labels
     return count, fields, (num_classes, ignore_label)
+
+
+def _preview(keys: Sequence[int], limit: int = 8) -> str:
+    """``[3, 9, 12]``, or the first ``limit`` keys and how many more."""
+    shown = ", ".join(map(str, keys[:limit]))
+    more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return f"[{shown}{more}]"
 
 
 class ArrayRecordSource:
@@ -285,8 +316,11 @@ class ArrayRecordSource:
         try:
             self._records: Any = grain.sources.ArrayRecordDataSource(str(self.path))
         except Exception as error:  # the reader reports corrupt files in several ways
+            reason = f"{type(error).__name__}: {error}".rstrip(": ")
             raise ValueError(
-                f"{self.path} is not a readable ArrayRecord file ({type(error).__name__}: {error})."
+                f"{self.path} is not a readable ArrayRecord file ({reason}): it is damaged or "
+                "truncated. Write it again with meshkit.data.write_array_record or "
+                "`python -m meshkit.data.convert` (or copy it again, if it came from elsewhere)."
             ) from None
         if len(self._records) != self._count:
             raise ValueError(
@@ -319,6 +353,39 @@ class ArrayRecordSource:
             raise IndexError(f"Index {index} is out of range for {self._count} records.")
         return key
 
+    def _read(self, keys: list[int]) -> list[bytes]:
+        """The records ``keys`` (checked), or a ``ValueError`` naming a damaged one."""
+        if not keys:
+            return []
+        try:
+            if len(keys) == 1:
+                return [self._records[keys[0]]]
+            return list(self._records.__getitems__(keys))
+        except Exception as error:  # the reader's checksums fail as RuntimeErrors
+            raise self._damaged(keys, error) from None
+
+    def _damaged(self, keys: list[int], error: Exception) -> ValueError:
+        """The error for a failed read of ``keys``, naming the first record that fails alone.
+
+        Only runs once a read has failed, so re-reading records one by one costs nothing
+        in a healthy run.
+        """
+        bad = keys
+        if len(keys) > 1:
+            for key in keys:
+                try:
+                    self._records[key]
+                except Exception as single:  # any failure locates the record
+                    bad, error = [key], single
+                    break
+        where = f"Record {bad[0]}" if len(bad) == 1 else f"One of records {_preview(bad)}"
+        reason = f"{type(error).__name__}: {error}".rstrip(": ")
+        return ValueError(
+            f"{where} of {self.path} cannot be read ({reason}): the file is damaged or "
+            "truncated. Write it again with meshkit.data.write_array_record or "
+            "`python -m meshkit.data.convert` (or copy it again, if it came from elsewhere)."
+        )
+
     def _check_size(self, record: bytes, key: int) -> None:
         if len(record) != self._record_size:
             fields = ", ".join(field.describe() for field in self._fields)
@@ -340,7 +407,7 @@ class ArrayRecordSource:
 
     def __getitem__(self, index: int) -> Record:
         key = self._key(index)
-        record = self._records[key]
+        (record,) = self._read([key])
         self._check_size(record, key)
         out, offset = {}, 0
         for field in self._fields:
@@ -354,7 +421,7 @@ class ArrayRecordSource:
     def getitems(self, indices: Sequence[int] | np.ndarray) -> Record:
         """The examples at ``indices`` stacked into one batch per field (one batched read)."""
         keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
-        records = self._records.__getitems__(keys) if keys else []
+        records = self._read(keys)
         for key, record in zip(keys, records, strict=True):
             self._check_size(record, key)
         bytes_KxB = np.frombuffer(b"".join(records), np.uint8).reshape(len(keys), self._record_size)

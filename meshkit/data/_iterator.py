@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,9 +23,9 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
     batches overlap the steps already queued; no thread of its own, so nothing
     competes with the training loop for the interpreter. (Per-example work runs in
     the pipeline's own threads or worker processes.) ``state()`` is a small JSON-able
-    dict (step, seed, global batch size, source fingerprint) for checkpoints; passing
-    it back as ``state=`` resumes at that step, and is refused if the seed, batch size
-    or data differ.
+    dict (step, seed, shuffle, global batch size, source fingerprint) for checkpoints;
+    passing it back as ``state=`` resumes at that step, and is refused if the seed,
+    shuffle setting, batch size or data differ.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -123,15 +124,57 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         self.close()
 
 
+LATER_FIELDS = frozenset({"shuffle"})
+"""State fields that data states saved by earlier meshkit versions lack.
+
+Such a state still resumes; a field it lacks is unknown, so it is not compared (a
+``UserWarning`` names it)."""
+
+
 def check_state(pipeline: TrainPipeline | EvalPipeline, state: Mapping[str, Any]) -> int:
-    """Validates a saved data state against ``pipeline``; returns the step to resume at."""
+    """Validates a saved data state against ``pipeline``; returns the step to resume at.
+
+    Every field of ``pipeline.state_fields()`` (seed, shuffle, global batch size, data
+    fingerprint, ...) must equal the saved one: a different value would feed other
+    batches than the interrupted run saw. A field in :data:`LATER_FIELDS` that an
+    older state lacks is unknown: it is not compared, and a warning says so.
+
+    Raises:
+        ValueError: The state lacks a field, a field differs (the message names the
+            saved and current values), or its step is outside the pipeline's steps.
+
+    Examples:
+        >>> import numpy as np, meshkit
+        >>> from meshkit.data import ArraySource, TrainPipeline
+        >>> sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+        >>> pipeline = TrainPipeline(ArraySource({"x": np.arange(8.0)}), global_batch_size=4,
+        ...                          sharding=sharding, shuffle=False)
+        >>> saved = {"step": 1, **pipeline.state_fields(), "shuffle": True}
+        >>> try:
+        ...     check_state(pipeline, saved)
+        ... except ValueError as error:
+        ...     print(str(error).split("(")[1].split(")")[0])
+        shuffle: saved True, now False
+    """
     expected = pipeline.state_fields()
-    missing = sorted({"step", *expected} - set(state))
+    missing = sorted({"step", *expected} - LATER_FIELDS - set(state))
     if missing:
         raise ValueError(
             f"The data state {dict(state)} lacks {missing}; it was not saved by meshkit."
         )
-    differ = {key: (state[key], value) for key, value in expected.items() if state[key] != value}
+    unknown = sorted((LATER_FIELDS & set(expected)) - set(state))
+    if unknown:
+        now = ", ".join(f"{key}={expected[key]!r}" for key in unknown)
+        warnings.warn(
+            f"The saved data state has no {unknown} (saved by an earlier meshkit), so it "
+            f"cannot be checked; resuming assumes the interrupted run used {now} too.",
+            stacklevel=3,
+        )
+    differ = {
+        key: (state[key], value)
+        for key, value in expected.items()
+        if key in state and state[key] != value
+    }
     if differ:
         details = "; ".join(
             f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in differ.items()
@@ -139,7 +182,8 @@ def check_state(pipeline: TrainPipeline | EvalPipeline, state: Mapping[str, Any]
         raise ValueError(
             f"Cannot resume: the saved data state does not match this pipeline ({details}). "
             "Resuming would feed different batches than the interrupted run. Use the same "
-            "seed, global batch size and data, or start from a fresh work directory."
+            "seed, shuffle setting, global batch size and data, or start from a fresh work "
+            "directory."
         )
     step = state["step"]
     total = pipeline.num_steps

@@ -72,6 +72,8 @@ class _Pipeline:
     ):
         self.shard = _check_common(source, global_batch_size, sharding)
         self.source = source
+        self.source_length = len(source)
+        """``len(source)`` when the pipeline was built: its steps and orders depend on it."""
         self.global_batch_size = global_batch_size
         self.sharding = sharding
         if num_threads is None:
@@ -88,6 +90,24 @@ class _Pipeline:
     def fingerprint(self) -> str:
         """The source's fingerprint, computed when a data state first needs it."""
         return source_fingerprint(self.source)
+
+    def check_source_length(self) -> None:
+        """Raises if the source's length changed since the pipeline was built.
+
+        The number of steps, the epoch orders and the evaluation mask all derive from
+        the length at construction: with a grown source they would silently skip the
+        new examples, with a shrunk one index past its end. Checked at the start of
+        every pass and before every batch (one ``len()`` call).
+        """
+        length = len(self.source)
+        if length != self.source_length:
+            raise ValueError(
+                f"The source of this {type(self).__name__} had {self.source_length} examples "
+                f"when the pipeline was built and has {length} now ({self.source!r}). Its "
+                "steps and padding were planned for the old length, so it would skip or "
+                "repeat examples. Build a new pipeline over the source as it is now (and a "
+                "new data state: resuming needs the same data)."
+            )
 
     def local_batch(self, step: int) -> Record:
         raise NotImplementedError
@@ -109,6 +129,7 @@ class _Pipeline:
 
     def _steps(self, start_step: int) -> range:
         """Steps ``start_step`` to the end (or practically forever, for endless training)."""
+        self.check_source_length()
         stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
         if not 0 <= start_step <= stop:
             raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
@@ -201,16 +222,19 @@ class TrainPipeline(_Pipeline):
             raise ValueError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}.")
         self.seed = check_int(seed, name="seed", minimum=0)
         self.transform = transform
-        self.shuffle = shuffle
-        self.steps_per_epoch = len(source) // global_batch_size
+        if not isinstance(shuffle, bool | np.bool_):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}.")
+        self.shuffle = bool(shuffle)  # a plain bool: it goes into the JSON data state
+        self.steps_per_epoch = self.source_length // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - the pipeline lives as long as its cache
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The order in which ``epoch`` visits the source's examples."""
         if not self.shuffle:
-            return np.arange(len(self.source))
-        return np.random.default_rng([self.seed, _SHUFFLE, epoch]).permutation(len(self.source))
+            return np.arange(self.source_length)
+        rng = np.random.default_rng([self.seed, _SHUFFLE, epoch])
+        return rng.permutation(self.source_length)
 
     def global_indices(self, step: int) -> np.ndarray:
         """Source indices of global batch ``step``, in row order."""
@@ -220,6 +244,7 @@ class TrainPipeline(_Pipeline):
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``."""
+        self.check_source_length()
         rows = self.global_indices(step)[self.shard.slice]
         if self.transform is None:
             return _fetch(self.source, rows)
@@ -247,6 +272,7 @@ class TrainPipeline(_Pipeline):
         """What a checkpoint must match to resume this pipeline."""
         return {
             "seed": self.seed,
+            "shuffle": self.shuffle,
             "global_batch_size": self.global_batch_size,
             "fingerprint": self.fingerprint,
         }
@@ -295,7 +321,7 @@ class EvalPipeline(_Pipeline):
             worker_count=worker_count,
         )
         self.transform = transform
-        self.num_examples = len(source)
+        self.num_examples = self.source_length
         self.num_steps = math.ceil(self.num_examples / global_batch_size)
 
     @functools.cached_property
@@ -308,6 +334,7 @@ class EvalPipeline(_Pipeline):
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``, with ``mask`` and ``index``."""
+        self.check_source_length()
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
         if self.transform is None and valid.any():  # the real rows in one read

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -127,6 +129,89 @@ class ArraySource:
         return self._fingerprint
 
 
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip
+_NPY_MAGIC = b"\x93NUMPY"
+_NPZ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+"""What numpy and zipfile raise for a damaged archive or member (``OSError`` covers
+``BadZipFile``'s CRC checks on older Pythons, ``zlib.error`` a damaged deflate stream)."""
+
+_REWRITE = "write it again with np.savez (or copy it again, if it came from elsewhere)"
+
+
+def _check_npz_magic(path: Path) -> None:
+    """Refuses a file that is not a zip archive, before numpy guesses what it holds.
+
+    Without this, ``np.load`` returns a bare array for a ``.npy`` file and tries to
+    unpickle any other bytes (refused, with a message about pickles).
+    """
+    with path.open("rb") as file:
+        head = file.read(len(_NPY_MAGIC))
+    if head.startswith(_ZIP_MAGIC):
+        return
+    if head.startswith(_NPY_MAGIC):
+        raise ValueError(
+            f"{path} is a .npy file (one unnamed array, written by np.save); load_npz reads "
+            ".npz archives of named arrays. Save it with np.savez(path, name=array), or wrap "
+            "the array yourself: ArraySource({'name': np.load(path)})."
+        )
+    found = "is empty" if not head else f"starts with {head!r}"
+    raise ValueError(
+        f"{path} is not an .npz archive: it {found}, expected a zip archive "
+        f"(b'PK\\x03\\x04') written by np.savez. It is truncated or in another format; "
+        f"{_REWRITE}."
+    )
+
+
+def _error_name(error: Exception) -> str:
+    """``ValueError``, ``zipfile.BadZipFile``, ``zlib.error``: the type, with its module."""
+    kind = type(error)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def _npz_error(path: Path, error: Exception, name: str | None = None) -> ValueError:
+    """The error for an archive (or its array ``name``) that numpy cannot read."""
+    what = f"array {name!r} of {path}" if name is not None else f"{path} as an .npz archive"
+    found = f"{_error_name(error)}: {error}"
+    if "allow_pickle" in str(error):  # numpy's refusal of an object (pickled) array
+        return ValueError(
+            f"Cannot read {what} ({found}): it holds pickled Python objects, which load_npz "
+            "refuses (loading them can run code). Save numeric arrays with np.savez."
+        )
+    return ValueError(
+        f"Cannot read {what} ({found}): the file is damaged or truncated; {_REWRITE}."
+    )
+
+
+def _read_npz(path: Path, keys: tuple[str, ...] | None) -> dict[str, np.ndarray]:
+    """The arrays ``keys`` (all by default) of the ``.npz`` file ``path``, as numpy arrays."""
+    _check_npz_magic(path)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except _NPZ_ERRORS as error:
+        raise _npz_error(path, error) from None
+    with archive:
+        held = list(archive.files)
+        names = held if keys is None else list(keys)
+        missing = [name for name in names if name not in held]
+        if missing:
+            raise ValueError(
+                f"{path} has no arrays {missing}; it holds {held}. Pick keys= from those."
+            )
+        arrays = {}
+        for name in names:
+            try:
+                array = archive[name]
+            except _NPZ_ERRORS as error:
+                raise _npz_error(path, error, name) from None
+            if not isinstance(array, np.ndarray):  # numpy returns other zip members as bytes
+                raise ValueError(
+                    f"{path} holds {name!r}, which is not a .npy array: the file is a zip "
+                    "archive but not one written by np.savez. Save the arrays with np.savez."
+                )
+            arrays[name] = array
+    return arrays
+
+
 def load_npz(
     path: str | Path,
     *,
@@ -136,11 +221,15 @@ def load_npz(
 ) -> ArraySource:
     """An ``ArraySource`` over the arrays of an ``.npz`` file (all of them, or ``keys``).
 
-    An array named ``"label"`` is checked as :class:`ArraySource` does; errors name the
-    file.
+    An array named ``"label"`` is checked as :class:`ArraySource` does. Every error
+    names the file (and the array, when one member is damaged) and the fix: a ``.npy``
+    file, an empty, truncated or damaged archive, or pickled object arrays are refused
+    with a ``ValueError``, never numpy's or zipfile's own ``BadZipFile``, ``EOFError``
+    or ``TypeError``.
 
     Args:
-        path: A file written by ``np.savez`` (pickled object arrays are refused).
+        path: A file written by ``np.savez`` or ``np.savez_compressed`` (pickled
+            object arrays are refused).
         keys: The arrays to read; all of them by default.
         num_classes: The number of classes, when known: labels must lie in
             ``[0, num_classes)``.
@@ -148,8 +237,8 @@ def load_npz(
 
     Raises:
         FileNotFoundError: No file at ``path``.
-        ValueError: The file is not an ``.npz`` archive, lacks ``keys``, or its labels
-            are not integer class indices.
+        ValueError: The file is not an ``.npz`` archive or is damaged, lacks ``keys``,
+            or its labels are not integer class indices.
 
     Examples:
         >>> import numpy as np, tempfile, os
@@ -157,23 +246,19 @@ def load_npz(
         >>> np.savez(path, image=np.zeros((4, 2, 2)), label=np.arange(4))
         >>> len(load_npz(path, num_classes=4))
         4
+        >>> np.save(path.replace(".npz", ".npy"), np.zeros(3))
+        >>> try:
+        ...     load_npz(path.replace(".npz", ".npy"))
+        ... except ValueError as error:
+        ...     print(str(error).split(" (")[0].split("/")[-1])
+        d.npy is a .npy file
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"No .npz file at {path}; pass the path of a file written by np.savez."
         )
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            names = list(data.files) if keys is None else list(keys)
-            missing = [name for name in names if name not in data.files]
-            if missing:
-                raise ValueError(f"{path} has no arrays {missing}; it holds {data.files}.")
-            arrays = {name: data[name] for name in names}
-    except (OSError, ValueError) as error:
-        if isinstance(error, ValueError) and "has no arrays" in str(error):
-            raise
-        raise ValueError(f"Cannot read {path} as an .npz archive: {error}") from None
+    arrays = _read_npz(path, keys)
     num_classes, ignore_label = check_label_options(num_classes, ignore_label, where=str(path))
     if LABEL_FIELD in arrays:
         check_labels(
