@@ -240,7 +240,7 @@ def test_eval_pipeline_refuses_a_source_that_grew_or_shrank():
         assert "EvalPipeline had 10 examples when the pipeline was built and has 13 now" in (
             message
         ), message
-        assert "Growing(13)" in message and "Build a new pipeline" in message
+        assert "Growing(13)" in message and "build a new pipeline" in message
     source.x = source.x[:10]
     unthreaded = EvalPipeline(source, global_batch_size=8, sharding=sharding, num_threads=0)
     batches = unthreaded.local_batches()  # built one by one as asked: none built ahead

@@ -124,7 +124,7 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         self.close()
 
 
-LATER_FIELDS = frozenset({"shuffle"})
+_LATER_FIELDS = frozenset({"shuffle"})
 """State fields that data states saved by earlier meshkit versions lack.
 
 Such a state still resumes; a field it lacks is unknown, so it is not compared (a
@@ -136,8 +136,9 @@ def check_state(pipeline: TrainPipeline | EvalPipeline, state: Mapping[str, Any]
 
     Every field of ``pipeline.state_fields()`` (seed, shuffle, global batch size, data
     fingerprint, ...) must equal the saved one: a different value would feed other
-    batches than the interrupted run saw. A field in :data:`LATER_FIELDS` that an
-    older state lacks is unknown: it is not compared, and a warning says so.
+    batches than the interrupted run saw. A field added in a later meshkit version
+    (``shuffle``) that an older state lacks is unknown: it is not compared, and a
+    ``UserWarning`` says so.
 
     Raises:
         ValueError: The state lacks a field, a field differs (the message names the
@@ -157,12 +158,12 @@ def check_state(pipeline: TrainPipeline | EvalPipeline, state: Mapping[str, Any]
         shuffle: saved True, now False
     """
     expected = pipeline.state_fields()
-    missing = sorted({"step", *expected} - LATER_FIELDS - set(state))
+    missing = sorted({"step", *expected} - _LATER_FIELDS - set(state))
     if missing:
         raise ValueError(
             f"The data state {dict(state)} lacks {missing}; it was not saved by meshkit."
         )
-    unknown = sorted((LATER_FIELDS & set(expected)) - set(state))
+    unknown = sorted((_LATER_FIELDS & set(expected)) - set(state))
     if unknown:
         now = ", ".join(f"{key}={expected[key]!r}" for key in unknown)
         warnings.warn(

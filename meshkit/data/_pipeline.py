@@ -72,8 +72,7 @@ class _Pipeline:
     ):
         self.shard = _check_common(source, global_batch_size, sharding)
         self.source = source
-        self.source_length = len(source)
-        """``len(source)`` when the pipeline was built: its steps and orders depend on it."""
+        self._source_length = len(source)  # the steps, orders and padding derive from it
         self.global_batch_size = global_batch_size
         self.sharding = sharding
         if num_threads is None:
@@ -91,7 +90,7 @@ class _Pipeline:
         """The source's fingerprint, computed when a data state first needs it."""
         return source_fingerprint(self.source)
 
-    def check_source_length(self) -> None:
+    def _check_source_length(self) -> None:
         """Raises if the source's length changed since the pipeline was built.
 
         The number of steps, the epoch orders and the evaluation mask all derive from
@@ -100,13 +99,13 @@ class _Pipeline:
         every pass and before every batch (one ``len()`` call).
         """
         length = len(self.source)
-        if length != self.source_length:
+        if length != self._source_length:
             raise ValueError(
-                f"The source of this {type(self).__name__} had {self.source_length} examples "
+                f"The source of this {type(self).__name__} had {self._source_length} examples "
                 f"when the pipeline was built and has {length} now ({self.source!r}). Its "
-                "steps and padding were planned for the old length, so it would skip or "
-                "repeat examples. Build a new pipeline over the source as it is now (and a "
-                "new data state: resuming needs the same data)."
+                "steps were planned for the old length, so it would skip "
+                "examples or read past the end. Keep the source fixed while a pipeline "
+                "reads it, or build a new pipeline over the source as it is now."
             )
 
     def local_batch(self, step: int) -> Record:
@@ -129,7 +128,7 @@ class _Pipeline:
 
     def _steps(self, start_step: int) -> range:
         """Steps ``start_step`` to the end (or practically forever, for endless training)."""
-        self.check_source_length()
+        self._check_source_length()
         stop = self.num_steps if self.num_steps is not None else _UNBOUNDED_STEPS
         if not 0 <= start_step <= stop:
             raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
@@ -161,6 +160,12 @@ class TrainPipeline(_Pipeline):
     left at the end of an epoch are dropped on every process alike, so every process
     runs the same number of steps. ``transform`` runs per example, before the rows are
     split between processes, with an RNG keyed by the example's global position.
+
+    The data state (``state_fields``) records the seed, ``shuffle``, the global batch
+    size and the source's fingerprint, so a resume with any of them changed is
+    refused. The source must keep its length while the pipeline reads it: the epoch
+    orders are drawn for the length at construction, and a batch built after the
+    length changed raises a ``ValueError`` naming both lengths.
 
     Args:
       source: a ``Source`` (``ArraySource``, ``digits(...)``, file readers...).
@@ -225,16 +230,16 @@ class TrainPipeline(_Pipeline):
         if not isinstance(shuffle, bool | np.bool_):
             raise TypeError(f"shuffle must be True or False, got {shuffle!r}.")
         self.shuffle = bool(shuffle)  # a plain bool: it goes into the JSON data state
-        self.steps_per_epoch = self.source_length // global_batch_size
+        self.steps_per_epoch = self._source_length // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - the pipeline lives as long as its cache
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The order in which ``epoch`` visits the source's examples."""
         if not self.shuffle:
-            return np.arange(self.source_length)
+            return np.arange(self._source_length)
         rng = np.random.default_rng([self.seed, _SHUFFLE, epoch])
-        return rng.permutation(self.source_length)
+        return rng.permutation(self._source_length)
 
     def global_indices(self, step: int) -> np.ndarray:
         """Source indices of global batch ``step``, in row order."""
@@ -244,7 +249,7 @@ class TrainPipeline(_Pipeline):
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``."""
-        self.check_source_length()
+        self._check_source_length()
         rows = self.global_indices(step)[self.shard.slice]
         if self.transform is None:
             return _fetch(self.source, rows)
@@ -286,6 +291,11 @@ class EvalPipeline(_Pipeline):
     ``False``, ``index`` is ``-1`` and the fields are zeros. ``num_steps`` is known up
     front from the example count, so every process runs the same number of steps.
 
+    That count is the source's length when the pipeline is built. A source that grows
+    or shrinks afterwards is refused at the start of the next pass (and before each
+    batch) with a ``ValueError`` naming both lengths, rather than evaluated short or
+    past its end: build a new ``EvalPipeline`` over the source as it is now.
+
     Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, EvalPipeline
@@ -321,7 +331,7 @@ class EvalPipeline(_Pipeline):
             worker_count=worker_count,
         )
         self.transform = transform
-        self.num_examples = self.source_length
+        self.num_examples = self._source_length
         self.num_steps = math.ceil(self.num_examples / global_batch_size)
 
     @functools.cached_property
@@ -334,7 +344,7 @@ class EvalPipeline(_Pipeline):
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``, with ``mask`` and ``index``."""
-        self.check_source_length()
+        self._check_source_length()
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
         if self.transform is None and valid.any():  # the real rows in one read
