@@ -5,6 +5,8 @@ from meshkit.train._checkpoint import abstract_like as abstract_like
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._loop import fit as fit
+from meshkit.train._precision import LossScale as LossScale
+from meshkit.train._precision import Precision as Precision
 from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit.train._preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._state import Model as Model

@@ -15,6 +15,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from meshkit._rules import PartitionRules, infer_shardings
+from meshkit.train._precision import LossScale, Precision
 
 Variables = dict[str, Any]
 """Model variables by collection: ``{"params": ..., "batch_stats": ...}``."""
@@ -133,6 +134,8 @@ class TrainState(struct.PyTreeNode):
         run draws the same randomness.
       apply_fn: the model's apply function (static).
       tx: the optax optimizer (static).
+      loss_scale: the dynamic loss scale with float16 compute, else ``None``.
+      precision: the compute dtype policy (static); parameters stay float32.
     """
 
     step: jax.Array
@@ -142,6 +145,8 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array
     apply_fn: ApplyFn = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    loss_scale: LossScale | None = None
+    precision: Precision = struct.field(pytree_node=False, default=Precision())
 
     def variables(self, params: Any | None = None) -> Variables:
         """The variables ``apply_fn`` takes: params (these, or the state's) and collections."""
@@ -164,12 +169,18 @@ class TrainState(struct.PyTreeNode):
         )
 
 
-def _init_state(model: Model, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    return init_state_from_key(model, tx, jax.random.key(seed))
+def _init_state(
+    model: Model, tx: optax.GradientTransformation, seed: int, precision: Precision
+) -> TrainState:
+    return init_state_from_key(model, tx, jax.random.key(seed), precision=precision)
 
 
 def init_state_from_key(
-    model: Model, tx: optax.GradientTransformation, key: jax.Array
+    model: Model,
+    tx: optax.GradientTransformation,
+    key: jax.Array,
+    *,
+    precision: Precision | str | None = None,
 ) -> TrainState:
     """A fresh train state from ``key``, split into the init key and the dropout key.
 
@@ -191,6 +202,7 @@ def init_state_from_key(
             f"tx must be an optax.GradientTransformation (e.g. optax.sgd(0.1)), got "
             f"{type(tx).__name__}: {tx!r}."
         )
+    policy = Precision.of(precision)
     init_rng, train_rng = jax.random.split(key)
     variables = dict(model.init(init_rng))
     params = variables.pop("params")
@@ -202,14 +214,21 @@ def init_state_from_key(
         rng=jax.random.key_data(train_rng),
         apply_fn=model.apply,
         tx=tx,
+        loss_scale=policy.initial_scale(),
+        precision=policy,
     )
 
 
 def abstract_train_state(
-    model: Model, tx: optax.GradientTransformation, seed: int = 0
+    model: Model,
+    tx: optax.GradientTransformation,
+    seed: int = 0,
+    *,
+    precision: Precision | str | None = None,
 ) -> TrainState:
     """The train state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), without any FLOPs."""
-    return jax.eval_shape(lambda: _init_state(model, tx, seed))
+    policy = Precision.of(precision)
+    return jax.eval_shape(lambda: _init_state(model, tx, seed, policy))
 
 
 def train_state_shardings(
@@ -231,12 +250,17 @@ def create_train_state(
     *,
     rules: PartitionRules | None = None,
     seed: int = 0,
+    precision: Precision | str | None = None,
 ) -> TrainState:
     """Builds the train state directly in its shardings.
 
     The shapes come from ``jax.eval_shape``, the shardings from ``rules`` (replicated
     when ``None``; ``PartitionRules.fsdp()`` for FSDP), and the state is created by a
     jit with those ``out_shardings``: it never exists in full on one device.
+
+    ``precision`` (``"f32"``, ``"bf16"``, ``"f16"`` or a ``Precision``) picks the
+    dtype the model computes in; parameters and optimizer state stay float32 (see
+    ``Precision``). With ``"f16"`` the state also carries a dynamic ``LossScale``.
 
     Examples:
         >>> import jax.numpy as jnp, optax, meshkit
@@ -248,9 +272,10 @@ def create_train_state(
         >>> int(state.step), state.params["Dense_0"]["kernel"].shape
         (0, (14400, 120))
     """
-    abstract = abstract_train_state(model, tx, seed)
+    policy = Precision.of(precision)
+    abstract = abstract_train_state(model, tx, seed, precision=policy)
     shardings = train_state_shardings(abstract, mesh, rules)
-    return jax.jit(lambda: _init_state(model, tx, seed), out_shardings=shardings)()
+    return jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
 
 
 def state_shardings_of(state: TrainState) -> TrainState:

@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
 from meshkit._types import Batch, Metrics
 from meshkit.train._state import TrainState
@@ -43,6 +44,10 @@ def apply_model(
     collections come back ``{}`` (the state's stay as they are). ``params`` replaces
     the state's parameters: pass the argument a loss function is differentiated by.
 
+    The state's precision policy applies here: with ``"bf16"`` or ``"f16"`` the
+    parameters and floating-point inputs are cast to that dtype for the call and the
+    outputs come back as float32; mutable collections (batch statistics) stay float32.
+
     Examples:
         >>> import jax, jax.numpy as jnp, optax, meshkit
         >>> from meshkit.models import NormCNN
@@ -58,15 +63,17 @@ def apply_model(
     """
     training = rng is not None
     mutable = (list(state.collections) or False) if training else False
+    policy = state.precision
+    params = state.params if params is None else params
     out = state.apply_fn(
-        state.variables(params),
-        inputs,
+        {"params": policy.to_compute(params), **state.collections},
+        policy.to_compute(inputs),
         train=training,
         rngs={"dropout": rng} if training else None,
         mutable=mutable,
     )
     outputs, collections = out if mutable else (out, {})
-    return outputs, dict(collections)
+    return policy.to_output(outputs), dict(collections)
 
 
 def classification_loss(
@@ -95,14 +102,168 @@ def classification_metrics(state: TrainState, batch: Batch) -> dict[str, jax.Arr
     }
 
 
-def train_step_fn(loss_fn: LossFn) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """The un-jitted step: gradients of ``loss_fn``, one update, metrics as device scalars."""
+def _gradients(
+    loss_fn: LossFn, state: TrainState, batch: Batch, rng: jax.Array
+) -> tuple[jax.Array, LossOutput, Any]:
+    """The loss, its ``LossOutput`` and the float32 gradients on one batch.
+
+    With a loss scale (float16 compute) the loss is multiplied by the scale before the
+    backward pass and the gradients are divided by it again; they are non-finite when
+    the scaled backward pass overflowed.
+    """
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+
+    def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, LossOutput]]:
+        loss, out = loss_fn(params, state, batch, rng)
+        return (loss if scale is None else loss * scale), (loss, out)
+
+    (_, (loss, out)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
+    if scale is not None:
+        grads = jax.tree.map(lambda grad: grad / scale, grads)
+    return loss, out, grads
+
+
+def _rows_in_shards(batch: Batch, microbatches: int, sharding: NamedSharding | None) -> None:
+    """Trace-time check: the batch splits into equal micro-batches spread over every shard."""
+    for key, value in batch.items():
+        rows = value.shape[0] if value.shape else 0
+        shards = 1 if sharding is None else rows // max(sharding.shard_shape(value.shape)[0], 1)
+        if rows % (microbatches * shards):
+            raise ValueError(
+                f"Batch field {key!r} has {rows} rows, which do not split into "
+                f"microbatches={microbatches} micro-batches of equal size spread over the "
+                f"{shards} devices the batch is split over: the global batch size must be a "
+                f"multiple of {microbatches} × {shards} = {microbatches * shards}. Change "
+                "the batch size or the number of micro-batches."
+            )
+
+
+def _split_batch(batch: Batch, microbatches: int, sharding: NamedSharding | None) -> Batch:
+    """``[rows, ...]`` fields as ``[microbatches, rows / microbatches, ...]``.
+
+    Micro-batch ``i`` takes every ``microbatches``-th row from ``i``: each device's
+    rows are a contiguous block, so every micro-batch has the same number of rows on
+    every device and the split is a local reshape, with no data moved between devices.
+    """
+    _rows_in_shards(batch, microbatches, sharding)
+    spread = None
+    if sharding is not None:
+        spread = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+
+    def split(value: jax.Array) -> jax.Array:
+        parts = value.reshape(value.shape[0] // microbatches, microbatches, *value.shape[1:])
+        parts = parts.swapaxes(0, 1)
+        return parts if spread is None else jax.lax.with_sharding_constraint(parts, spread)
+
+    return {key: split(value) for key, value in batch.items()}
+
+
+def _accumulated_gradients(
+    loss_fn: LossFn,
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    microbatches: int,
+    sharding: NamedSharding | None,
+) -> tuple[jax.Array, LossOutput, Any]:
+    """``_gradients`` averaged over micro-batches, run one after another by ``lax.scan``.
+
+    Each micro-batch draws its own dropout key (``fold_in(rng, i)``) and sees the
+    mutable collections (batch statistics) the previous one updated; the loss and the
+    metrics are means over the micro-batches, the gradient their mean.
+    """
+    parts = _split_batch(batch, microbatches, sharding)
+    collections = dict(state.collections)
+
+    def accumulate(
+        carry: tuple[Any, dict[str, Any]], xs: tuple[jax.Array, Batch]
+    ) -> tuple[tuple[Any, dict[str, Any]], tuple[jax.Array, dict[str, jax.Array]]]:
+        grads_sum, collections = carry
+        index, part = xs
+        member = state.replace(collections=collections)
+        loss, out, grads = _gradients(loss_fn, member, part, jax.random.fold_in(rng, index))
+        if out.collections:
+            collections = _like(collections, out.collections)
+        return (jax.tree.map(jnp.add, grads_sum, grads), collections), (loss, dict(out.metrics))
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, collections), (losses, metrics) = jax.lax.scan(
+        accumulate, (zeros, collections), (jnp.arange(microbatches), parts)
+    )
+    grads = jax.tree.map(lambda total: total / microbatches, grads)
+    means = {name: values.mean(0) for name, values in metrics.items()}
+    return losses.mean(), LossOutput(collections=collections, metrics=means), grads
+
+
+def _like(reference: dict[str, Any], new: Any) -> dict[str, Any]:
+    """``new`` collections in ``reference``'s tree types and dtypes (a ``lax.scan`` carry)."""
+    leaves = jax.tree.leaves(new)
+    structure = jax.tree.structure(reference)
+    if len(leaves) != structure.num_leaves:
+        raise ValueError(
+            "With micro-batches the loss function must return every mutable collection "
+            f"of the state (LossOutput.collections): the state holds {sorted(reference)}, "
+            f"the loss function returned {sorted(new)}."
+        )
+    return jax.tree.map(
+        lambda old, leaf: leaf.astype(old.dtype), reference, jax.tree.unflatten(structure, leaves)
+    )
+
+
+def _skip_if_overflowed(new: TrainState, old: TrainState, grads: Any) -> tuple[TrainState, Metrics]:
+    """With loss scaling: ``new``, or ``old``'s values when the gradients overflowed.
+
+    A skipped step still counts (``step`` advances); its parameters, optimizer state
+    and collections are the previous ones, and the loss scale is halved.
+    """
+    assert old.loss_scale is not None
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(grad)) for grad in jax.tree.leaves(grads)]))
+    kept = jax.tree.map(
+        lambda updated, previous: jnp.where(finite, updated, previous),
+        (new.params, new.opt_state, new.collections),
+        (old.params, old.opt_state, old.collections),
+    )
+    params, opt_state, collections = kept
+    state = new.replace(
+        params=params,
+        opt_state=opt_state,
+        collections=collections,
+        loss_scale=old.loss_scale.adjust(finite),
+    )
+    metrics = {"skipped": (~finite).astype(jnp.float32), "loss_scale": old.loss_scale.scale}
+    return state, metrics
+
+
+def train_step_fn(
+    loss_fn: LossFn, *, microbatches: int = 1, batch_sharding: NamedSharding | None = None
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """The un-jitted step: gradients of ``loss_fn``, one update, metrics as device scalars.
+
+    With ``microbatches > 1`` the batch is split into that many micro-batches whose
+    gradients are accumulated (``lax.scan``) before the one update; ``batch_sharding``
+    (when known) keeps every micro-batch spread over all devices. With a loss scale in
+    the state (float16), a step whose gradients overflow is skipped; the metrics then
+    add ``skipped`` (1 for a skipped step) and ``loss_scale``, and ``grad_norm`` is 0
+    for a skipped step.
+    """
+    check_int(microbatches, name="microbatches", minimum=1)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, out), grads = grad_fn(state.params, state, batch, state.step_rng())
+        rng = state.step_rng()
+        if microbatches == 1:
+            loss, out, grads = _gradients(loss_fn, state, batch, rng)
+        else:
+            loss, out, grads = _accumulated_gradients(
+                loss_fn, state, batch, rng, microbatches=microbatches, sharding=batch_sharding
+            )
         new_state = state.apply_gradients(grads, out.collections or None)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **out.metrics}
+        grad_norm = optax.tree.norm(grads)
+        extra: Metrics = {}
+        if state.loss_scale is not None:
+            new_state, extra = _skip_if_overflowed(new_state, state, grads)
+            grad_norm = jnp.where(extra["skipped"] > 0, 0.0, grad_norm)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **out.metrics, **extra}
         return new_state, metrics
 
     return train_step
@@ -112,6 +273,8 @@ def make_train_step(
     loss_fn: LossFn,
     state_shardings: TrainState,
     batch_sharding: NamedSharding,
+    *,
+    microbatches: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -120,6 +283,13 @@ def make_train_step(
     back replicated. With replicated parameters and a sharded batch, the compiler
     inserts the gradient all-reduce that ``pmean`` used to spell out. The input state
     is donated: its buffers are reused for the new state.
+
+    ``microbatches=k`` accumulates gradients over k micro-batches of the global batch
+    inside the one jitted step (a ``lax.scan``), for a batch whose activations do not
+    fit at once: one step is still one optimizer update, so ``fit``'s step counts,
+    checkpoints and evaluations count updates. The global batch size must be a
+    multiple of k times the devices of the data axis. The precision policy comes with
+    the state (``create_train_state(..., precision="bf16")``).
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, meshkit
@@ -139,7 +309,7 @@ def make_train_step(
     """
     replicated = replicated_sharding(batch_sharding.mesh)
     return jax.jit(
-        train_step_fn(loss_fn),
+        train_step_fn(loss_fn, microbatches=microbatches, batch_sharding=batch_sharding),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
