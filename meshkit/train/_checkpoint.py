@@ -1,14 +1,65 @@
-"""Orbax checkpoints of the train state and the data iterator's state."""
+"""Orbax checkpoints of the train state and the data iterator's state, verified by a digest."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import gc
+import logging
+import shutil
+import sys
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from meshkit._pytree import path_str
+from meshkit.train._digest import tree_digest
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step folder still being written
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint could not be read, or what was read differs from the digest saved with it.
+
+    Attributes:
+      step: the damaged checkpoint's step.
+      folder: its step folder.
+      damage: what is wrong, in a few words.
+    """
+
+    def __init__(self, message: str, *, step: int, folder: Path, damage: str, agreed: bool):
+        super().__init__(message)
+        self.step = step
+        self.folder = folder
+        self.damage = damage
+        self.agreed = agreed  # every process found the same damage (safe to fall back)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (a full disk, say); its partial folder was removed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """The checkpoint ``Checkpointer.resume`` restored.
+
+    Attributes:
+      step: its step.
+      state: the train state, in the restore target's structure and shardings.
+      data: the data iterator's state.
+      set_aside: where the damaged newer step folders were moved to reach it.
+    """
+
+    step: int
+    state: Any
+    data: dict[str, Any]
+    set_aside: tuple[Path, ...] = ()
 
 
 def abstract_like(state: Any) -> Any:
@@ -28,11 +79,120 @@ def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
     return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from, outermost first."""
+    chain = [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) and cause not in chain:
+        chain.append(cause)
+    return chain
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost exception's first line (Orbax wraps TensorStore's own message)."""
+    root = _chain(error)[-1]
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``error``'s chain (``ENOSPC`` for a full disk), if any."""
+    return next((e for e in _chain(error) if isinstance(e, OSError)), None)
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process: a collective when there are several."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _digest_differences(saved: dict[str, list[int]], read: dict[str, list[int]]) -> str:
+    """``""`` if the digests match, else which leaves differ."""
+    differ = [
+        path for path in sorted(saved.keys() | read.keys()) if saved.get(path) != read.get(path)
+    ]
+    if not differ:
+        return ""
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return f"{len(differ)} of {len(saved)} arrays differ from the digest saved with it ({shown})"
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Keeps Orbax's error records to their first line.
+
+    A failed background save is logged by several Orbax threads, each with the full
+    traceback; the ``CheckpointSaveError`` raised for it carries that traceback once.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "orbax" in record.pathname:
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ORBAX_FILTER = _OneLineOrbaxErrors()
+
+
+def _raised_in_orbax(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one it was raised from) passed through Orbax's code."""
+    for link in _chain(error) if error is not None else []:
+        frames = traceback.extract_tb(link.__traceback__)
+        if any("orbax" in frame.filename for frame in frames):
+            return True
+    return False
+
+
+def _abandoned_read(exc_value: BaseException | None) -> bool:
+    """Whether an unretrieved exception comes from a read that a failed restore abandoned.
+
+    Either it was raised in Orbax, or it is TensorStore finishing a read after Orbax
+    closed the event loop that was waiting for it.
+    """
+    if exc_value is None:
+        return False
+    frames = traceback.extract_tb(exc_value.__traceback__)
+    closed_loop = any(frame.name == "call_soon_threadsafe" for frame in frames)
+    return closed_loop or _raised_in_orbax(exc_value)
+
+
+class _DropAbandonedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for abandoned reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _abandoned_read(record.exc_info[1]))
+
+
+def _silence_abandoned_reads() -> None:
+    """Silences the reports of the reads that a failed Orbax restore abandons.
+
+    When one array read fails, Orbax stops waiting for the others, and Python,
+    asyncio and TensorStore's threads report each one as it ends or is collected,
+    with TensorStore's full spec: dozens of lines per array, some of them after the
+    restore has returned. The ``CheckpointDamagedError`` raised instead names the
+    damage and chains the first failure. Installed at the first restore, for the rest
+    of the process; every other report goes to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if not getattr(previous, "drops_abandoned_reads", False):
+
+        def hook(unraisable: Any) -> None:
+            if not _abandoned_read(unraisable.exc_value):
+                previous(unraisable)
+
+        hook.drops_abandoned_reads = True  # pyright: ignore[reportFunctionMemberAccess]
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_DropAbandonedReads())
+
+
 class Checkpointer:
-    """Saves and restores ``(train state, data state)`` pairs with Orbax.
+    """Saves and restores ``(train state, data state)`` pairs with Orbax, verified by a digest.
 
     Saves are asynchronous (the arrays are copied off the devices, then written in the
     background), happen every ``save_every`` steps, and the latest ``keep`` are kept.
+    Each checkpoint also holds a digest of the state (``tree_digest``), checked when it
+    is restored: damaged files raise ``CheckpointDamagedError`` instead of restoring
+    wrong values. A failed background save raises ``CheckpointSaveError`` at the next
+    call to ``should_save``, ``save``, ``wait`` or ``close``.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp
@@ -57,50 +217,202 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: int | None = None  # the step of a save that may still be running
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # a no-op when already there
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or ``None``."""
         return self._manager.latest_step()
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is a save step (a multiple of ``save_every``)."""
+        """Whether ``step`` is a save step (a multiple of ``save_every``).
+
+        Called at every step, it first reports a failed background save (``check``).
+        """
+        self.check()
         return step % self.save_every == 0
 
     def save(
         self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False
     ) -> bool:
-        """Starts saving; returns whether a save was started."""
+        """Starts saving ``state``, ``data_state`` and the state's digest; returns whether it did.
+
+        Raises:
+          CheckpointSaveError: the previous save failed in the background, or this
+            one could not start (an ``OSError`` such as a full disk).
+        """
+        if not force and not self._manager.should_save(step):
+            return False
+        self._finish()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),  # pyright: ignore[reportCallIssue]
             data=ocp.args.JsonSave(data_state),  # pyright: ignore[reportCallIssue]
+            digest=ocp.args.JsonSave(tree_digest(state)),  # pyright: ignore[reportCallIssue]
         )
-        return self._manager.save(step, args=args, force=force)
+        try:
+            started = self._manager.save(step, args=args, force=force)
+        except Exception as error:
+            if _os_error(error) is None:
+                raise
+            raise self._save_failed(step, error) from error
+        self._pending = step if started else None
+        return started
+
+    def check(self) -> None:
+        """Raises ``CheckpointSaveError`` if the last save failed; never waits for one."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._finish()
+
+    def _finish(self) -> None:
+        """Waits for the pending save; its failure becomes a ``CheckpointSaveError``."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._save_failed(step, error) from error
+
+    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+        """Removes the partial folder of ``step``; the error to raise, in one line."""
+        partial = sorted(self.directory.glob(f"{step}{_TMP_SUFFIX}*"))
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        os_error = _os_error(error)
+        full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+        self._manager.reload()
+        latest = self._manager.latest_step()
+        removed = f"its partial folder {partial[0].name} was removed; " if partial else ""
+        resume = f"resume from step {latest}" if latest is not None else "start over"
+        fix = "free space on that file system (or keep fewer checkpoints)" if full else "fix it"
+        return CheckpointSaveError(
+            f"Saving the checkpoint of step {step} in {self.directory} failed: "
+            f"{os_error if os_error is not None else _root_cause(error)}. Training stopped; "
+            f"{removed}{fix}, then rerun the same command to {resume}."
+        )
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores the newest (or ``step``'s) checkpoint into ``target``'s structure and shardings.
 
-        Returns the train state and the data state.
+        Returns the train state and the data state, after checking the state against
+        the digest saved with it.
+
+        Raises:
+          CheckpointDamagedError: a file of the checkpoint is missing or cut short, or
+            the values read differ from the digest (a flipped bit, overwritten bytes).
+          ValueError: the checkpoint holds a different model (the leaves that differ).
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
-            data=ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
-        )
+        folder = self.directory / str(step)
+        verified = (folder / "digest").is_dir()  # checkpoints written before digests: not
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
+            "data": ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
+        }
+        if verified:
+            items["digest"] = ocp.args.JsonRestore()  # pyright: ignore[reportCallIssue]
+        _silence_abandoned_reads()
         try:
-            restored = self._manager.restore(step, args=args)
-        except ValueError as error:
-            mismatches = self._mismatches(step, target)
-            if not mismatches:
-                raise
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as error:
+            gc.collect()  # the abandoned reads are reported when collected: now, silenced
+            self._raise_if_another_model(step, target, error)
+            damage = f"it could not be read ({_root_cause(error)})"
+            agreed = jax.process_count() == 1  # other processes may have read their part
+            raise self._damaged(step, damage, agreed=agreed) from error
+        if not verified:
+            warnings.warn(
+                f"The checkpoint of step {step} in {self.directory} has no digest (it was "
+                "written before meshkit saved one): restored without verification.",
+                stacklevel=2,
+            )
+        else:
+            damage = _digest_differences(dict(restored["digest"]), tree_digest(restored["state"]))
+            if not _everywhere(not damage):
+                raise self._damaged(step, damage or "another process read other values")
+        return restored["state"], dict(restored["data"])
+
+    def _damaged(self, step: int, damage: str, *, agreed: bool = True) -> CheckpointDamagedError:
+        folder = self.directory / str(step)
+        return CheckpointDamagedError(
+            f"The checkpoint of step {step} in {folder} is damaged: {damage}. Move that "
+            "folder out of the checkpoints directory (or delete it) and rerun to resume "
+            "from the checkpoint before it.",
+            step=step,
+            folder=folder,
+            damage=damage,
+            agreed=agreed,
+        )
+
+    def resume(self, target: Any) -> Restored | None:
+        """Restores the newest intact checkpoint into ``target``; ``None`` if there is none.
+
+        A damaged newer checkpoint is moved aside to ``<step>.damaged`` (so that its
+        step can be saved again) with a warning naming it and the damage, and the one
+        before it is tried. That happens only when every process found the same damage
+        (always true with one process, and for values that differ from the digest);
+        otherwise, and when no checkpoint is intact, ``CheckpointDamagedError`` is
+        raised and nothing is moved.
+        """
+        damaged: list[CheckpointDamagedError] = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, data = self.restore(target, step)
+            except CheckpointDamagedError as error:
+                if not error.agreed:
+                    raise
+                damaged.append(error)
+                continue
+            moved = tuple(self._set_aside(error.step) for error in damaged)
+            for error, path in zip(damaged, moved, strict=True):
+                warnings.warn(
+                    f"The checkpoint of step {error.step} in {error.folder} is damaged: "
+                    f"{error.damage}. Resuming from step {step}, the newest intact "
+                    f"checkpoint; the damaged folder was moved to {path} (inspect or delete it).",
+                    stacklevel=2,
+                )
+            return Restored(step=step, state=state, data=data, set_aside=moved)
+        if damaged:
+            newest = damaged[0]
+            raise CheckpointDamagedError(
+                f"No checkpoint in {self.directory} is intact: "
+                + "; ".join(f"step {error.step}: {error.damage}" for error in damaged)
+                + f". Move {self.directory} aside to start the run over.",
+                step=newest.step,
+                folder=newest.folder,
+                damage=newest.damage,
+                agreed=True,
+            ) from newest
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        """Moves step ``step``'s folder to ``<step>.damaged`` (process 0 moves, all wait)."""
+        folder = self.directory / str(step)
+        aside, n = folder.with_name(f"{step}.damaged"), 1
+        while aside.exists():
+            n += 1
+            aside = folder.with_name(f"{step}.damaged-{n}")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"meshkit checkpoint {step}: named")
+        if jax.process_index() == 0:
+            folder.rename(aside)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"meshkit checkpoint {step}: moved")
+        self._manager.reload()
+        return aside
+
+    def _raise_if_another_model(self, step: int, target: Any, error: BaseException) -> None:
+        """Raises ``ValueError`` naming the leaves that differ if ``target`` is another model."""
+        mismatches = self._mismatches(step, target)
+        if mismatches:
             raise ValueError(
                 f"The checkpoint at step {step} in {self.directory} holds a different model: "
                 + "; ".join(mismatches[:5])
                 + (f" (and {len(mismatches) - 5} more)" if len(mismatches) > 5 else "")
                 + ". Resume with the model that wrote it, or start this model in a new workdir."
             ) from error
-        return restored["state"], dict(restored["data"])
 
     def _mismatches(self, step: int, target: Any) -> list[str]:
         """``"<leaf>: saved <shape>, now <shape>"`` for each leaf that differs or is in one only."""
@@ -125,9 +437,13 @@ class Checkpointer:
         return lines
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk."""
+        """Blocks until pending saves are on disk; raises ``CheckpointSaveError`` if one failed."""
+        self._finish()
         self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
-        self._manager.close()
+        try:
+            self._finish()
+        finally:
+            self._manager.close()

@@ -91,14 +91,19 @@ class _Log:
         """Checks an interval for non-finite steps, then records its means."""
         if read.first_bad_step is not None:
             latest = self.checkpointer.latest_step()
-            kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none"
+            kept = (
+                f"The newest checkpoint, step {latest} in {self.checkpointer.directory}, "
+                "was saved before it and is kept (verified against its digest when a run "
+                "resumes from it)"
+                if latest is not None
+                else "No checkpoint was saved before it"
+            )
             watched = {name: read.means[name] for name in WATCHED if name in read.means}
             raise NonFiniteLossError(
                 f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
                 f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
-                f"The last good checkpoint is kept ({kept}); no state from step "
-                f"{read.first_bad_step} on was saved. Lower the learning rate, check the data "
-                "for NaNs, or add gradient clipping."
+                f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
+                "learning rate, check the data for NaNs, or add gradient clipping."
             )
         self.last = read.means
         self.bar.update(read.last - self.bar.n)
@@ -202,10 +207,10 @@ def fit(
     checkpointer = Checkpointer(
         workdir / "checkpoints", save_every=checkpoint_every, keep=keep_checkpoints
     )
-    resumed_from = checkpointer.latest_step()
-    data_state = None
-    if resumed_from is not None:
-        state, data_state = checkpointer.restore(abstract_like(state))
+    resumed = checkpointer.resume(abstract_like(state))  # the newest intact checkpoint
+    resumed_from = data_state = None
+    if resumed is not None:
+        state, data_state, resumed_from = resumed.state, resumed.data, resumed.step
     start = 0 if data_state is None else int(data_state["step"])
     evaluator = None
     if eval_pipeline is not None:
