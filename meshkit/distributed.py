@@ -10,24 +10,50 @@ how the run was launched, in this order:
 3. a cluster JAX detects by itself: a SLURM step with several tasks (``srun``), an
    Open MPI job, or a Cloud TPU VM; JAX's own auto-detection fills in the details;
 4. otherwise a plain single process, where there is nothing to initialise.
+
+With several processes it also makes failures end the job instead of hanging it: an
+uncaught exception ends its process at once with its own exit code (see
+``exit_on_uncaught_exception``), and when the coordinator is on this machine
+(``127.0.0.1``, a rehearsal) the coordination service listens on that address only and
+a process that stops sending heartbeats is declared dead after 10 s instead of JAX's
+100 s, so its peers stop too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
+import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import Literal
 
 import jax
 
 from meshkit._checks import check_int
 
-__all__ = ["Launch", "backend_started", "detect_launch", "initialize"]
+__all__ = [
+    "Launch",
+    "backend_started",
+    "detect_launch",
+    "exit_on_uncaught_exception",
+    "initialize",
+    "is_loopback",
+]
 
 ENV_COORDINATOR = "MESHKIT_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize
+
+LOCAL_HEARTBEAT_TIMEOUT = 10
+"""Seconds without heartbeats before a process on this machine is declared dead."""
+JAX_HEARTBEAT_TIMEOUT = 100
+"""JAX's own default, kept for coordinators on other machines (networks have hiccups)."""
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 Mode = Literal["single", "explicit", "environment", "slurm", "mpi", "tpu"]
 
@@ -143,6 +169,67 @@ def backend_started() -> bool:
     return False
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this machine only (``127.x.x.x``, ``[::1]``, ``localhost``).
+
+    Examples:
+        >>> is_loopback("127.0.0.1:1234"), is_loopback("[::1]:1234"), is_loopback("10.0.0.1:1")
+        (True, True, False)
+    """
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exit_on_uncaught_exception(process_id: int | None = None) -> None:
+    """Makes an uncaught exception end this process at once, with its own exit code.
+
+    After ``jax.distributed.initialize`` a process that leaves through an exception
+    first waits in ``jax.distributed``'s shutdown for every other process (up to 300 s),
+    while they wait for it in their next collective: the whole job hangs. This hook
+    prints the traceback as before (through the previous ``sys.excepthook``), flushes
+    the standard streams and the ``logging`` handlers, and ends the process with
+    ``os._exit``: code 1, or 130 for ``KeyboardInterrupt``. Its peers then notice a
+    missing peer (at once when this is process 0, which hosts the coordination service;
+    after the heartbeat timeout otherwise) and stop too. Files the program left open
+    and ``atexit`` handlers are not flushed or run; ``meshkit.train.fit`` closes its
+    own files on the way out.
+
+    ``initialize`` installs it when there are several processes. Call it yourself only
+    after a ``jax.distributed.initialize`` of your own.
+
+    Args:
+      process_id: this process's id, for the message (``None`` when not known).
+    """
+    previous = sys.excepthook
+    name = "This process" if process_id is None else f"Process {process_id}"
+
+    def hook(
+        kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+    ) -> None:
+        code = INTERRUPTED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
+        try:
+            previous(kind, value, traceback)
+            print(
+                f"[meshkit] {name} failed with {kind.__name__}; exiting with code {code} now "
+                "rather than waiting in jax.distributed's shutdown for the other processes, "
+                "which would wait for this one.",
+                file=sys.stderr,
+            )
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()  # a closed or missing stream: nothing more can be said
+            logging.shutdown()
+            os._exit(code)
+
+    sys.excepthook = hook
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -151,6 +238,8 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     cpu_devices: int | None = None,
     initialization_timeout: int = 300,
+    heartbeat_timeout: int | None = None,
+    fail_fast: bool = True,
 ) -> Launch:
     """Initialises a distributed run however it was launched; call it before any JAX use.
 
@@ -162,9 +251,20 @@ def initialize(
       cpu_devices: fake CPU devices per process (``jax_num_cpu_devices``), for
         rehearsing a multi-device run on CPU.
       initialization_timeout: seconds to wait for all processes to connect.
+      heartbeat_timeout: seconds without heartbeats after which a process is declared
+        dead and every other process stops. By default 10 s when the coordinator
+        address is a loopback one (every process is on this machine), otherwise JAX's
+        100 s.
+      fail_fast: with several processes, end a process at once on an uncaught
+        exception (``exit_on_uncaught_exception``) instead of letting it wait for the
+        others in ``jax.distributed``'s shutdown.
 
     Returns:
       The detected ``Launch``.
+
+    A loopback coordinator address also binds the coordination service to that address
+    (JAX binds it to every interface by default) unless ``JAX_COORDINATOR_BIND_ADDRESS``
+    says otherwise.
 
     Examples:
         >>> import meshkit
@@ -172,6 +272,8 @@ def initialize(
         Launch(mode='single', coordinator_address=None, num_processes=None, process_id=None)
     """
     launch = detect_launch(coordinator_address, num_processes, process_id)
+    if heartbeat_timeout is not None:
+        check_int(heartbeat_timeout, name="heartbeat_timeout", minimum=1, unit="s")
     if jax.distributed.is_initialized():
         return launch
     if backend_started():
@@ -185,11 +287,19 @@ def initialize(
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if launch.mode == "single":
         return launch
+    address = launch.coordinator_address
+    local = address is not None and is_loopback(address)
+    if heartbeat_timeout is None:
+        heartbeat_timeout = LOCAL_HEARTBEAT_TIMEOUT if local else JAX_HEARTBEAT_TIMEOUT
     jax.distributed.initialize(
-        coordinator_address=launch.coordinator_address,
+        coordinator_address=address,
         num_processes=launch.num_processes,
         process_id=launch.process_id,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout,
+        coordinator_bind_address=address if local and ENV_BIND_ADDRESS not in os.environ else None,
     )
+    if fail_fast and (launch.num_processes is None or launch.num_processes > 1):
+        exit_on_uncaught_exception(launch.process_id)
     return launch

@@ -9,11 +9,17 @@ starts the command once per process with the environment that
 ``JAX_NUM_CPU_DEVICES`` / ``JAX_PLATFORMS=cpu``, so the processes form one JAX
 runtime with ``processes × devices-per-process`` CPU devices, as the hosts of a pod
 do. Each line a process prints comes out prefixed with its rank (``[1] ...``).
-SIGINT and SIGTERM are forwarded to every process (a second Ctrl-C kills them). When
-one process fails, the others would wait for it forever in their next collective, so
-they are stopped after a grace period. The exit code is 0 when every process
-succeeded, otherwise the first failing process's code (75 when all of them were
-preempted, 124 on ``--timeout``).
+
+Signals: the first Ctrl-C (SIGINT), a SIGTERM and a hangup (SIGHUP: the terminal or
+the ssh session closed) reach every process as SIGTERM, which a ``meshkit.train.fit``
+run treats as a preemption: every process saves a checkpoint at the same step and
+exits with code 75. A second Ctrl-C kills them. If the launcher itself dies (SIGKILL,
+a crash), a watchdog process kills its processes at once, so none is left running
+unsupervised. When one process fails, the others would wait for it in their next
+collective, so they are stopped after a grace period (``--grace``, 5 s: SIGTERM,
+then SIGKILL 3 s later). The exit code is 0 when every process succeeded, otherwise
+the first failing process's code (75 when all of them were preempted, 124 on
+``--timeout``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from meshkit._checks import check_int
+from meshkit._watchdog import Watchdog
 from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 TIMEOUT_EXIT_CODE = 124
+DEFAULT_GRACE = 5.0
+"""Seconds the other processes get after one fails, before they are stopped."""
+KILL_AFTER_TERM = 3.0
+"""Seconds between the SIGTERM that stops a process and the SIGKILL."""
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line, or a \r progress update
 
 
@@ -90,6 +101,7 @@ class _Prefixer:
         self.prefix = f"[{rank:>{width}}] ".encode()
         self.out = out
         self.lock = lock
+        self.out_closed = False  # e.g. the terminal went away: keep draining the child
 
     def copy(self, stream: BinaryIO) -> None:
         pending = b""
@@ -105,9 +117,14 @@ class _Prefixer:
     def _write(self, text: bytes) -> None:
         segments = _SEGMENT.findall(text)
         body = b"".join(self.prefix + segment for segment in segments if segment != b"\r")
+        if self.out_closed:
+            return
         with self.lock:
-            self.out.write(body)
-            self.out.flush()
+            try:
+                self.out.write(body)
+                self.out.flush()
+            except (OSError, ValueError):
+                self.out_closed = True
 
 
 class LocalProcesses:
@@ -133,6 +150,7 @@ class LocalProcesses:
                 "python -m meshkit.launch --processes 2 -- python -m recipes.data_parallel"
             )
         self.command = list(command)
+        self._watchdog = Watchdog()  # kills the processes if the launcher dies first
         coordinator = f"127.0.0.1:{free_port()}"
         sink: BinaryIO = out if out is not None else sys.stdout.buffer
         lock = threading.Lock()
@@ -156,6 +174,7 @@ class LocalProcesses:
                     f"Cannot run {self.command[0]!r}: no such program. Give the full "
                     f"command after '--', e.g. {sys.executable} -m recipes.data_parallel"
                 ) from None
+            self._watchdog.watch(child.pid)
             self.processes.append(child)
             assert child.stdout is not None
             thread = threading.Thread(
@@ -172,23 +191,36 @@ class LocalProcesses:
                     os.killpg(child.pid, signum)
 
     def kill(self) -> None:
-        """Kills every running process."""
+        """Kills every running process and waits for them."""
         self.signal(signal.SIGKILL)
         for child in self.processes:
             child.wait()
+        self._watchdog.close()
 
-    def wait(self, *, timeout: float | None = None, grace: float = 30.0) -> int:
+    def _poll(self) -> list[int | None]:
+        """Each process's exit code, or ``None`` while it runs."""
+        codes = []
+        for child in self.processes:
+            running = child.returncode is None
+            code = child.poll()
+            if running and code is not None:
+                self._watchdog.exited(child.pid)
+            codes.append(code)
+        return codes
+
+    def wait(self, *, timeout: float | None = None, grace: float = DEFAULT_GRACE) -> int:
         """Waits for every process and returns the launch's exit code.
 
         When a process fails, the others get ``grace`` seconds to finish (they may be
-        failing too and printing why), then SIGTERM, then SIGKILL 10 s later.
+        failing too and printing why), then SIGTERM, then SIGKILL ``KILL_AFTER_TERM``
+        seconds later.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         first_failure: tuple[int, int] | None = None  # (rank, code)
         stop_at = None
         terminated = False
         while True:
-            codes = [child.poll() for child in self.processes]
+            codes = self._poll()
             if first_failure is None:
                 failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
                 if failed:
@@ -210,7 +242,7 @@ class LocalProcesses:
             if stop_at is not None and now > stop_at:
                 if not terminated:
                     self.signal(signal.SIGTERM)
-                    terminated, stop_at = True, now + 10.0
+                    terminated, stop_at = True, now + KILL_AFTER_TERM
                 else:
                     self.kill()
             time.sleep(0.05)
@@ -225,7 +257,8 @@ class LocalProcesses:
 
     @staticmethod
     def _note(message: str) -> None:
-        print(f"[launch] {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # no terminal any more: carry on
+            print(f"[launch] {message}", file=sys.stderr, flush=True)
 
 
 def launch(
@@ -234,13 +267,16 @@ def launch(
     processes: int = 2,
     devices_per_process: int = 4,
     timeout: float | None = None,
-    grace: float = 30.0,
+    grace: float = DEFAULT_GRACE,
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Runs ``command`` in ``processes`` local processes; returns the exit code.
 
-    Forwards SIGINT and SIGTERM to the processes while they run (a second SIGINT kills
-    them). See the module docstring for the environment and the exit code.
+    While they run, the first SIGINT (Ctrl-C), SIGTERM or SIGHUP reaches every process
+    as SIGTERM (a ``fit`` run saves and exits with code 75) and a second SIGINT kills
+    them (signal handlers are installed only when called from the main thread; an
+    ignored SIGHUP, as under ``nohup``, stays ignored). See the module docstring for the
+    environment and the exit code.
 
     Examples:
         >>> import sys
@@ -252,27 +288,43 @@ def launch(
     group = LocalProcesses(
         command, processes=processes, devices_per_process=devices_per_process, env=env
     )
-    interrupts = 0
-
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal interrupts
-        interrupts += signum == signal.SIGINT
-        if interrupts > 1:
-            LocalProcesses._note("second interrupt: killing every process")
-            group.signal(signal.SIGKILL)
-        else:
-            group.signal(signum)
-
-    on_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
-    if on_main_thread:
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if threading.current_thread() is threading.main_thread():
+        forward = _Forwarder(group)
+        watched = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            watched.append(signal.SIGHUP)
+        previous = {sig: signal.signal(sig, forward) for sig in watched}
     try:
         return group.wait(timeout=timeout, grace=grace)
     finally:
         group.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class _Forwarder:
+    """The launcher's signal handler: every stop request reaches the processes as SIGTERM."""
+
+    def __init__(self, group: LocalProcesses):
+        self.group = group
+        self.interrupts = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        del frame
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                LocalProcesses._note("second Ctrl-C: killing every process")
+                self.group.signal(signal.SIGKILL)
+                return
+            LocalProcesses._note(
+                "Ctrl-C: asking every process to save and stop (SIGTERM); "
+                "press Ctrl-C again to kill them"
+            )
+        elif signum == signal.SIGHUP:
+            LocalProcesses._note("hangup: asking every process to save and stop (SIGTERM)")
+        self.group.signal(signal.SIGTERM)
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -295,8 +347,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--grace",
         type=float,
-        default=30.0,
-        help="seconds the others get after one process fails, before SIGTERM (30)",
+        default=DEFAULT_GRACE,
+        help="seconds the others get after one process fails, before SIGTERM "
+        f"(then SIGKILL {KILL_AFTER_TERM:.0f} s later; default {DEFAULT_GRACE:.0f})",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)

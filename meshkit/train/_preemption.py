@@ -1,8 +1,9 @@
-"""Preemption: a SIGTERM noticed by every process at the same step."""
+"""Preemption: a SIGTERM or a Ctrl-C noticed by every process at the same step."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -12,21 +13,34 @@ import jax
 from jax.experimental import multihost_utils
 
 PREEMPTED_EXIT_CODE = 75
-"""Exit code of a run stopped by SIGTERM after saving (EX_TEMPFAIL: "try again")."""
+"""Exit code of a run stopped by SIGTERM or Ctrl-C after saving (EX_TEMPFAIL: "try again")."""
+
+_CTRL_C_NOTE = (
+    b"\n[meshkit] Ctrl-C: saving a checkpoint at the next step, then stopping (exit code 75). "
+    b"Press Ctrl-C again to stop at once without saving.\n"
+)
 
 
 class PreemptionWatcher:
-    """Tells every process, at the same step, that a SIGTERM arrived.
+    """Tells every process, at the same step, that a SIGTERM or a Ctrl-C arrived.
 
     With several processes JAX's preemption service (started by
     ``jax.distributed.initialize``) notices a SIGTERM sent to any one of them, and
     ``reached(step)`` returns ``True`` on all processes at the same step. A single
     process has no such service, so a SIGTERM handler records the signal instead.
+
+    The first SIGINT (Ctrl-C) counts as a preemption too: with several processes the
+    handler sends this process a SIGTERM, which JAX's service sees; in a single process
+    it records it. The handler then puts the previous SIGINT handler back, so a second
+    Ctrl-C raises ``KeyboardInterrupt`` at once, without saving. A SIGINT handler of the
+    program's own (or an ignored SIGINT) is left alone. Handlers are only installed
+    from the main thread, the only one Python delivers signals to.
     """
 
     def __init__(self) -> None:
         self._signalled = threading.Event()
-        self._previous: Any = None
+        self._previous_term: Any = None
+        self._previous_int: Any = None
         processes = jax.process_count()
         self._multi = processes > 1 and jax.distributed.is_initialized()
         if processes > 1 and not self._multi:
@@ -39,12 +53,31 @@ class PreemptionWatcher:
                 "meshkit.distributed.initialize() with an explicit coordinator.",
                 processes,
             )
-        elif processes == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not self._multi:
+            self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         del signum, frame
         self._signalled.set()
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        self._restore_sigint()  # a second Ctrl-C interrupts at once
+        os.write(2, _CTRL_C_NOTE)
+        if self._multi:
+            os.kill(os.getpid(), signal.SIGTERM)  # for JAX's preemption notifier
+        else:
+            self._signalled.set()
+
+    def _restore_sigint(self) -> None:
+        if self._previous_int is not None:
+            signal.signal(signal.SIGINT, self._previous_int)
+            self._previous_int = None
 
     def reached(self, step: int) -> bool:
         """Whether to save and stop after ``step``; call it at every step on every process."""
@@ -53,7 +86,8 @@ class PreemptionWatcher:
         return self._signalled.is_set()  # never set with several unsynchronised processes
 
     def close(self) -> None:
-        """Restores the previous SIGTERM handler."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Restores the SIGTERM and SIGINT handlers that were there before."""
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+            self._previous_term = None
+        self._restore_sigint()

@@ -1,0 +1,145 @@
+"""Several processes in ``fit``: a failure on any one ends the job in seconds; Ctrl-C saves.
+
+Each test runs a tiny ``fit`` (a linear model on random data, 2 processes × 2 devices)
+written to a file, so that start-up dominates and the tests stay a few seconds long.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from meshkit import train
+from meshkit.testing import start_processes
+
+pytestmark = pytest.mark.multiprocess
+
+# python train.py WORKDIR FAIL_ON: trains "forever"; process FAIL_ON (-1: none) raises on
+# reading its 161st row (step 21), as a corrupt record would make it.
+TRAIN = textwrap.dedent("""
+    import sys
+
+    import meshkit
+
+    meshkit.distributed.initialize()
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from meshkit import data, train
+
+    workdir, fail_on = sys.argv[1], int(sys.argv[2])
+    rows_read = 0
+
+
+    def transform(record, rng):
+        global rows_read
+        rows_read += 1
+        if jax.process_index() == fail_on and rows_read > 160:
+            raise RuntimeError(f"a corrupt record on process {fail_on}")
+        return record
+
+
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    rng = np.random.default_rng(0)
+    source = data.ArraySource(
+        {"image": rng.normal(size=(256, 4)).astype(np.float32), "label": rng.integers(0, 2, 256)}
+    )
+    pipeline = data.TrainPipeline(
+        source, global_batch_size=16, sharding=sharding, transform=transform
+    )
+    model = train.linen_model(nn.Dense(2), jnp.zeros((1, 4)))
+    state = train.create_train_state(model, optax.sgd(0.1), mesh)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    result = train.fit(
+        state, step, pipeline, num_steps=10**6, workdir=workdir, log_every=5,
+        checkpoint_every=10, progress=False,
+    )
+    print(f"stopped after step {result.step}, preempted={result.preempted}", flush=True)
+    sys.exit(train.PREEMPTED_EXIT_CODE if result.preempted else 0)
+""")
+
+
+def write_script(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    return script
+
+
+def launch(tmp_path: Path, fail_on: int, *launcher_args: str) -> tuple[int, str, float]:
+    """Runs the script under ``python -m meshkit.launch``: exit code, output, seconds."""
+    command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "90"]
+    command += [*launcher_args, "--", sys.executable, str(write_script(tmp_path))]
+    start = time.monotonic()
+    result = subprocess.run(
+        [*command, str(tmp_path / "work"), str(fail_on)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - start
+
+
+def test_a_raise_on_process_0_ends_the_job_at_once_with_its_code(tmp_path: Path):
+    # The reported case: process 0 cannot append metrics.jsonl. It used to wait 300 s in
+    # jax.distributed's shutdown while process 1 waited for it in the next step.
+    (tmp_path / "work" / "metrics.jsonl").mkdir(parents=True)
+    code, out, seconds = launch(tmp_path, -1)
+    assert code == 1, out[-3000:]
+    assert seconds < 30, out[-3000:]
+    assert "[0] IsADirectoryError: [Errno 21] Is a directory" in out
+    assert "[0] [meshkit] Process 0 failed with IsADirectoryError; exiting with code 1" in out
+    assert "process 0 exited with code 1" in out  # the launcher names the first failure
+
+
+def test_a_raise_on_process_1_ends_the_job_without_the_launchers_help(tmp_path: Path):
+    # --grace 60: the launcher does not stop process 0, which must notice by itself
+    # (process 1 stops sending heartbeats; 10 s on one machine), as it would under srun.
+    code, out, seconds = launch(tmp_path, 1, "--grace", "60")
+    assert code == 1, out[-3000:]
+    assert seconds < 30, out[-3000:]
+    assert "[1] RuntimeError: a corrupt record on process 1" in out
+    assert "[1] [meshkit] Process 1 failed with RuntimeError; exiting with code 1" in out
+    assert "stopped after step" not in out
+
+
+def test_ctrl_c_on_one_process_saves_on_both_at_the_same_step(tmp_path: Path):
+    # Without a launcher (srun, hosts started by hand) the SIGINT reaches the process
+    # itself: fit turns it into the SIGTERM that JAX's preemption service synchronises.
+    work = tmp_path / "work"
+    group = start_processes(
+        [str(write_script(tmp_path)), str(work), "-1"],
+        devices_per_process=2,
+        log_dir=tmp_path / "logs",
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (work / "checkpoints" / "10").is_dir():
+            assert group.processes[0].poll() is None, group.log(0)[-3000:]
+            assert time.monotonic() < deadline, group.log(0)[-3000:]
+            time.sleep(0.05)
+        group.processes[1].send_signal(signal.SIGINT)
+        codes = group.wait(60, check=False)
+    finally:
+        group.kill()
+    logs = [group.log(0), group.log(1)]
+    assert codes == [train.PREEMPTED_EXIT_CODE] * 2, logs[0][-2000:] + logs[1][-2000:]
+    assert "Ctrl-C: saving a checkpoint at the next step" in logs[1]
+    last = [line for line in logs[0].splitlines() if line.startswith("stopped after step")]
+    assert last == [line for line in logs[1].splitlines() if line.startswith("stopped after")]
+    saved = max(int(path.name) for path in (work / "checkpoints").iterdir())
+    assert last == [f"stopped after step {saved}, preempted=True"]
+    assert saved > 10
