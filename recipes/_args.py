@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 
 def recipe_parser(
@@ -28,3 +29,49 @@ def recipe_parser(
     if progress:
         parser.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool = True) -> None:
+    """Adds the options of a training recipe: precision, schedule, micro-batches.
+
+    ``--precision`` (``f32``, ``bf16``, ``f16``; ``f16`` only with ``microbatches``,
+    the data-parallel step's loss scaling), ``--lr-schedule`` (``constant`` or
+    ``cosine``, decaying to 0 at the last step), ``--warmup-steps`` (a linear ramp from
+    0), and with ``microbatches``, ``--microbatches``.
+    """
+    parser.add_argument(
+        "--precision",
+        choices=["f32", "bf16", "f16"] if microbatches else ["f32", "bf16"],
+        default="f32",
+        help="compute dtype; parameters and optimizer state stay float32",
+    )
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up"
+    )
+    if microbatches:
+        parser.add_argument(
+            "--microbatches",
+            type=int,
+            default=1,
+            help="accumulate gradients over this many micro-batches of each batch",
+        )
+
+
+def learning_rate_schedule(args: argparse.Namespace) -> Any:
+    """The ``optax`` schedule of ``--learning-rate``, ``--lr-schedule`` and ``--warmup-steps``."""
+    import optax
+
+    if not 0 <= args.warmup_steps < args.steps:
+        raise SystemExit(
+            f"--warmup-steps {args.warmup_steps} must be at least 0 and below --steps {args.steps}."
+        )
+    if args.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, args.learning_rate, args.warmup_steps, args.steps, end_value=0.0
+        )
+    constant = optax.constant_schedule(args.learning_rate)
+    if not args.warmup_steps:
+        return constant
+    warmup = optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps)
+    return optax.join_schedules([warmup, constant], [args.warmup_steps])

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 import meshkit
-from recipes._args import recipe_parser
+from recipes._args import add_training_options, learning_rate_schedule, recipe_parser
 
 DATASETS = {"digits", "mnist", "fashion_mnist", "cifar10"}
 IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": (8, 8, 1)}
@@ -54,7 +54,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    add_training_options(parser)
     return parser.parse_args(argv)
+
+
+def hyperparameters(args: argparse.Namespace) -> dict:
+    """The settings that decide what is learned, for ``summary.json``."""
+    names = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
+    names += ("microbatches", "precision", "seed", "rules")
+    return {name: getattr(args, name) for name in names}
 
 
 def load_data(args: argparse.Namespace, image_shape: tuple[int, int, int] | None):
@@ -117,11 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         transform=None if test_source[0]["image"].dtype != np.uint8 else to_float,
     )
     model = train.linen_model(MODELS[args.model](), jnp.zeros((1, *train_source[0]["image"].shape)))
-    tx = optax.sgd(args.learning_rate, momentum=args.momentum)
-    state = train.create_train_state(model, tx, mesh, rules=rules, seed=args.seed)
-    step = train.make_train_step(
-        train.classification_loss, train.state_shardings_of(state), batch_sharding
+    tx = optax.sgd(learning_rate_schedule(args), momentum=args.momentum)
+    state = train.create_train_state(
+        model, tx, mesh, rules=rules, seed=args.seed, precision=args.precision
     )
+    step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(state),
+        batch_sharding,
+        microbatches=args.microbatches,
+    )
+    train.write_run_config(args.workdir, train.run_config(args, mesh))
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 
@@ -141,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": args.dataset,
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
+        "hyperparameters": hyperparameters(args),
         "steps": result.step,
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,

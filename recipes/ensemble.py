@@ -40,7 +40,11 @@ import sys
 from pathlib import Path
 
 import meshkit
-from recipes._args import recipe_parser
+from recipes._args import add_training_options, learning_rate_schedule, recipe_parser
+
+HYPERPARAMETERS = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
+HYPERPARAMETERS += ("precision", "seed", "same_batches")
+"""The settings that decide what is learned, recorded in ``summary.json``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
+    add_training_options(parser, microbatches=False)
     return parser.parse_args(argv)
 
 
@@ -126,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         test_source, global_batch_size=max(args.batch_size, 128), sharding=layout.batch_sharding
     )
     model = train.linen_model(MnistCNN(), jnp.zeros((1, *train_source[0]["image"].shape)))
-    tx = optax.sgd(args.learning_rate, momentum=args.momentum)
-    state = ensemble.create_ensemble_state(model, tx, layout, seed=args.seed)
+    tx = optax.sgd(learning_rate_schedule(args), momentum=args.momentum)
+    state = ensemble.create_ensemble_state(
+        model, tx, layout, seed=args.seed, precision=args.precision
+    )
     step = ensemble.make_ensemble_step(
         ensemble.classification_loss, layout, member_batches=not args.same_batches
     )
+    train.write_run_config(args.workdir, train.run_config(args, mesh))
     if jax.process_index() == 0:
         print(layout, flush=True)
 
@@ -168,6 +176,7 @@ def summarize(args: argparse.Namespace, layout, result) -> dict:
         "same_batches": args.same_batches,
         "dataset": args.dataset,
         "processes": jax.process_count(),
+        "hyperparameters": {name: getattr(args, name) for name in HYPERPARAMETERS},
         "steps": result.step,
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,

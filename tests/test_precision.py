@@ -152,3 +152,23 @@ def test_unknown_precision_is_refused_with_the_choices():
         ValueError, match=r"precision must be one of \['bf16', 'f16', 'f32'\].*'fp8'"
     ):
         train.Precision("fp8")  # pyright: ignore[reportArgumentType]
+
+
+def test_ensemble_members_compute_in_bf16_and_float16_is_refused():
+    from meshkit import ensemble
+
+    layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 2)
+    model = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
+    tx = optax.sgd(0.1)
+    state = ensemble.create_ensemble_state(model, tx, layout, precision="bf16")
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
+    batch = meshkit.shard_batch(
+        data.digits("train").getitems(np.arange(BATCH)), layout.batch_sharding
+    )
+    hlo = step.lower(state, batch).as_text()  # pyright: ignore[reportFunctionMemberAccess]
+    assert "xbf16>" in hlo.split("stablehlo.dot_general", 1)[1].splitlines()[0]
+    state, metrics = step(state, batch)
+    assert state.precision.name == "bf16" and np.isfinite(float(metrics["loss"]))
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+    with pytest.raises(ValueError, match=r"precision='f16'.*Use precision='bf16'"):
+        ensemble.create_ensemble_state(model, tx, layout, precision="f16")

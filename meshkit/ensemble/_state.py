@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
 from meshkit.ensemble._layout import EnsembleLayout
-from meshkit.train import Model, TrainState, init_state_from_key
+from meshkit.train import Model, Precision, TrainState, init_state_from_key
 
 
 def member_keys(seed: int, num_members: int) -> jax.Array:
@@ -35,19 +35,40 @@ def member_keys(seed: int, num_members: int) -> jax.Array:
     return jax.vmap(lambda index: jax.random.fold_in(base, index))(jnp.arange(num_members))
 
 
+def _policy(precision: Precision | str | None) -> Precision:
+    """The ensemble's precision policy; float16 (which needs loss scaling) is refused."""
+    policy = Precision.of(precision)
+    if policy.loss_scaling:
+        raise ValueError(
+            f"Ensembles train in float32 or bfloat16, got precision={policy.name!r}: float16 "
+            "needs loss scaling, which the ensemble step does not do. Use precision='bf16'."
+        )
+    return policy
+
+
 def _init_ensemble(
-    model: Model, tx: optax.GradientTransformation, num_members: int, seed: int
+    model: Model,
+    tx: optax.GradientTransformation,
+    num_members: int,
+    seed: int,
+    precision: Precision,
 ) -> TrainState:
     # A loop over the members (lax.map), not vmap: it runs once, and with several members
     # per device it compiles about twice as fast as the vmapped init (measured in the
     # ensembles guide). The partitioned loop still allocates only each device's members.
     return jax.lax.map(
-        functools.partial(init_state_from_key, model, tx), member_keys(seed, num_members)
+        functools.partial(init_state_from_key, model, tx, precision=precision),
+        member_keys(seed, num_members),
     )
 
 
 def abstract_ensemble_state(
-    model: Model, tx: optax.GradientTransformation, layout: EnsembleLayout, *, seed: int = 0
+    model: Model,
+    tx: optax.GradientTransformation,
+    layout: EnsembleLayout,
+    *,
+    seed: int = 0,
+    precision: Precision | str | None = None,
 ) -> TrainState:
     """The ensemble state's shapes, dtypes and shardings, without any FLOPs.
 
@@ -64,7 +85,8 @@ def abstract_ensemble_state(
         >>> abstract.params["kernel"].shape, abstract.step.shape
         ((4, 5, 3), (4,))
     """
-    shapes = jax.eval_shape(lambda: _init_ensemble(model, tx, layout.num_members, seed))
+    policy = _policy(precision)
+    shapes = jax.eval_shape(lambda: _init_ensemble(model, tx, layout.num_members, seed, policy))
     sharding = layout.state_sharding
     return jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes
@@ -72,7 +94,12 @@ def abstract_ensemble_state(
 
 
 def create_ensemble_state(
-    model: Model, tx: optax.GradientTransformation, layout: EnsembleLayout, *, seed: int = 0
+    model: Model,
+    tx: optax.GradientTransformation,
+    layout: EnsembleLayout,
+    *,
+    seed: int = 0,
+    precision: Precision | str | None = None,
 ) -> TrainState:
     """Builds K independently initialised members, stacked and split over the ensemble axis.
 
@@ -82,6 +109,8 @@ def create_ensemble_state(
     (``member_keys``), split into its init key and its dropout key as
     ``create_train_state`` does. The state is created by a jit with those
     ``out_shardings``: each device only ever allocates its own members.
+    ``precision`` is ``"f32"`` (default) or ``"bf16"``: members compute in bfloat16
+    and keep float32 parameters, as ``create_train_state`` does.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -93,8 +122,9 @@ def create_ensemble_state(
         >>> kernels.shape, bool(np.allclose(kernels[0], kernels[1]))
         ((4, 5, 3), False)
     """
+    policy = _policy(precision)
     return jax.jit(
-        lambda: _init_ensemble(model, tx, layout.num_members, seed),
+        lambda: _init_ensemble(model, tx, layout.num_members, seed, policy),
         out_shardings=layout.state_sharding,  # a prefix: every leaf P('ensemble')
     )()
 

@@ -2,6 +2,8 @@
 
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import abstract_like as abstract_like
+from meshkit.train._config import run_config as run_config
+from meshkit.train._config import write_run_config as write_run_config
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._loop import fit as fit

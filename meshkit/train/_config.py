@@ -1,0 +1,82 @@
+"""What a run was started with: its arguments, mesh, devices and package versions."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+PACKAGES = ("meshkit", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
+"""The packages whose versions a run's ``config.json`` records."""
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: paths and other objects as strings."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    return str(value)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_config(arguments: Mapping[str, Any] | argparse.Namespace, mesh: Mesh) -> dict[str, Any]:
+    """A JSON-ready record of a run: ``arguments`` and where and with what it ran.
+
+    Holds the arguments (an ``argparse.Namespace`` or a mapping; paths become strings),
+    the command line, the mesh's axes, the device platform, kind and count, the
+    process count, and the versions of Python and of ``PACKAGES``.
+
+    Examples:
+        >>> import meshkit
+        >>> config = run_config({"learning_rate": 0.1}, meshkit.make_mesh("data=-1"))
+        >>> config["arguments"], config["devices"]["platform"], "jax" in config["versions"]
+        ({'learning_rate': 0.1}, 'cpu', True)
+    """
+    if isinstance(arguments, argparse.Namespace):
+        arguments = vars(arguments)
+    device = jax.devices()[0]
+    return {
+        "arguments": _jsonable(dict(arguments)),
+        "command": list(sys.argv),
+        "mesh": {str(name): int(size) for name, size in mesh.shape.items()},
+        "devices": {
+            "platform": device.platform,
+            "kind": device.device_kind,
+            "count": jax.device_count(),
+            "per_process": jax.local_device_count(),
+        },
+        "processes": jax.process_count(),
+        "versions": {"python": platform.python_version()}
+        | {package: _version(package) for package in PACKAGES},
+    }
+
+
+def write_run_config(workdir: str | Path, config: Mapping[str, Any]) -> Path:
+    """Writes ``config`` as ``<workdir>/config.json`` (on process 0); returns the path.
+
+    A resumed run writes it again: the file describes the latest start.
+    """
+    path = Path(workdir) / "config.json"
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(config, indent=2) + "\n")
+        partial.replace(path)
+    return path
