@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -229,7 +230,7 @@ class Checkpointer:
 
         Called at every step, it first reports a failed background save (``check``).
         """
-        self.check()
+        self.check(step)
         return step % self.save_every == 0
 
     def save(
@@ -243,7 +244,7 @@ class Checkpointer:
         """
         if not force and not self._manager.should_save(step):
             return False
-        self._finish()
+        self._finish(step)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),  # pyright: ignore[reportCallIssue]
             data=ocp.args.JsonSave(data_state),  # pyright: ignore[reportCallIssue]
@@ -254,16 +255,19 @@ class Checkpointer:
         except Exception as error:
             if _os_error(error) is None:
                 raise
-            raise self._save_failed(step, error) from error
+            raise self._save_failed(step, error, step) from error
         self._pending = step if started else None
         return started
 
-    def check(self) -> None:
-        """Raises ``CheckpointSaveError`` if the last save failed; never waits for one."""
-        if self._pending is not None and not self._manager.is_saving_in_progress():
-            self._finish()
+    def check(self, step: int | None = None) -> None:
+        """Raises ``CheckpointSaveError`` if the last save failed; never waits for one.
 
-    def _finish(self) -> None:
+        ``step``, the step training reached, goes into the message.
+        """
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._finish(step)
+
+    def _finish(self, stopped_at: int | None = None) -> None:
         """Waits for the pending save; its failure becomes a ``CheckpointSaveError``."""
         if self._pending is None:
             return
@@ -271,10 +275,15 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as error:
-            raise self._save_failed(step, error) from error
+            raise self._save_failed(step, error, stopped_at) from error
 
-    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+    def _save_failed(
+        self, step: int, error: BaseException, stopped_at: int | None = None
+    ) -> CheckpointSaveError:
         """Removes the partial folder of ``step``; the error to raise, in one line."""
+        for write in self._writes_of_last_save():  # they may still be writing into it
+            with contextlib.suppress(Exception):
+                write.result(timeout=60)
         partial = sorted(self.directory.glob(f"{step}{_TMP_SUFFIX}*"))
         for path in partial:
             shutil.rmtree(path, ignore_errors=True)
@@ -282,14 +291,28 @@ class Checkpointer:
         full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)
         self._manager.reload()
         latest = self._manager.latest_step()
-        removed = f"its partial folder {partial[0].name} was removed; " if partial else ""
+        stopped = (
+            f"Training stopped at step {stopped_at}"
+            if stopped_at is not None
+            else "Training stopped"
+        )
+        removed = f" and the partial folder {partial[0].name} was removed" if partial else ""
         resume = f"resume from step {latest}" if latest is not None else "start over"
-        fix = "free space on that file system (or keep fewer checkpoints)" if full else "fix it"
+        fix = "Free space on that file system (or keep fewer checkpoints)" if full else "Fix that"
         return CheckpointSaveError(
             f"Saving the checkpoint of step {step} in {self.directory} failed: "
-            f"{os_error if os_error is not None else _root_cause(error)}. Training stopped; "
-            f"{removed}{fix}, then rerun the same command to {resume}."
+            f"{os_error if os_error is not None else _root_cause(error)}. {stopped}{removed}. "
+            f"{fix}, then rerun the same command to {resume}."
         )
+
+    def _writes_of_last_save(self) -> list[Any]:
+        """Orbax's commit futures of the last save, which one item's failure leaves running.
+
+        Orbax keeps them privately; should it stop doing so, none are waited for.
+        """
+        checkpointer = getattr(self._manager, "_checkpointer", None)
+        commits = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
+        return list(commits or [])
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores the newest (or ``step``'s) checkpoint into ``target``'s structure and shardings.

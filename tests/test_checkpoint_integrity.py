@@ -1,0 +1,287 @@
+"""Checkpoint integrity: the state digest, damaged files, fallback, a full disk during a save."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.handlers import json_checkpoint_handler
+from tqdm import tqdm
+
+import meshkit
+from meshkit import data, train
+from meshkit.testing import run_processes
+from meshkit.train._checkpoint import CheckpointDamagedError, CheckpointSaveError
+from meshkit.train._digest import tree_digest
+from meshkit.train._interval import IntervalRead
+from meshkit.train._loop import _Log
+
+
+def numpy_digest(x: np.ndarray) -> list[int]:
+    """The digest written out in numpy: sums of bits × (2i + 1) and bits × (i·0x9E3779B1 | 1)."""
+    x = np.asarray(x)
+    if x.dtype == np.bool_:
+        bits = x.astype(np.uint64).reshape(-1)
+    else:
+        unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize]
+        bits = np.ascontiguousarray(x).reshape(-1).view(unsigned).astype(np.uint64)
+    position = np.arange(bits.size, dtype=np.uint64)
+    linear = (2 * position + 1) % 2**32
+    mixed = (position * 0x9E3779B1) % 2**32 | 1
+    return [int((bits * linear % 2**32).sum() % 2**32), int((bits * mixed % 2**32).sum() % 2**32)]
+
+
+def values() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.normal(size=(64, 64)).astype(np.float32),  # 16 KB: its own data chunk
+        "half": rng.normal(size=(8, 4)).astype(jnp.bfloat16),
+        "byte": rng.integers(0, 256, size=(8, 4)).astype(np.uint8),
+        "mask": rng.random(8) > 0.5,
+        "step": np.int32(7),
+    }
+
+
+def placed(tree: dict[str, np.ndarray], mesh, spec=None) -> dict[str, jax.Array]:
+    """``tree`` on ``mesh``: arrays split by ``spec`` (rows over ``data``), scalars replicated."""
+    spec = P("data") if spec is None else spec
+    return {
+        name: jax.device_put(value, NamedSharding(mesh, spec if np.ndim(value) else P()))
+        for name, value in tree.items()
+    }
+
+
+def test_digest_matches_numpy_on_any_mesh_and_sees_one_bit():
+    expected = {name: numpy_digest(value) for name, value in values().items()}
+    assert tree_digest(values()) == expected  # host values, on one device
+    for shape, spec in (("data=-1", P("data")), ("data=-1", P()), ("data=-1,model=1", P("model"))):
+        mesh = meshkit.make_mesh(shape)
+        assert tree_digest(placed(values(), mesh, spec)) == expected, (shape, spec)
+    key = {"rng": jax.random.key(3)}
+    assert tree_digest(key) == {"rng": numpy_digest(np.asarray(jax.random.key_data(key["rng"])))}
+    bits = values()["w"].view(np.uint32).copy()
+    bits[17, 3] ^= 1 << 31  # the sign bit of one value
+    assert tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def save_two_steps(directory: Path, mesh) -> dict[int, dict[str, np.ndarray]]:
+    """Steps 1 and 2 of a tree sharded over ``data``; returns the values saved at each."""
+    saved = {}
+    checkpointer = train.Checkpointer(directory, save_every=1, keep=3)
+    for step in (1, 2):
+        saved[step] = {name: value + step for name, value in values().items() if name != "mask"}
+        checkpointer.save(step, placed(saved[step], mesh), {"step": step})
+    checkpointer.close()
+    return saved
+
+
+def damage(step_folder: Path, kind: str) -> Path:
+    """Damages the largest OCDBT data file of a step (the one holding ``w``)."""
+    chunk = max(step_folder.glob("state/ocdbt.process_*/d/*"), key=os.path.getsize)
+    content = bytearray(chunk.read_bytes())
+    middle = len(content) // 2
+    if kind == "delete":
+        chunk.unlink()
+        return chunk
+    if kind == "bit flip":
+        content[middle] ^= 0x10
+    elif kind == "overwrite":
+        content[middle : middle + 8] = b"\xff" * 8
+    elif kind == "truncate":
+        del content[middle:]
+    chunk.write_bytes(bytes(content))
+    return chunk
+
+
+DAMAGE = {
+    "bit flip": r"1 of 4 arrays differ from the digest saved with it \(w\)",
+    "overwrite": r"1 of 4 arrays differ from the digest saved with it \(w\)",
+    "truncate": r"it could not be read \(ValueError: OUT_OF_RANGE: Error reading \"w/",
+    "delete": r"it could not be read \(ValueError: .*Error reading \"w/",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_path, kind):
+    mesh = meshkit.make_mesh("data=-1")
+    saved = save_two_steps(tmp_path, mesh)
+    damage(tmp_path / "2", kind)
+    target = train.abstract_like(placed(saved[2], mesh))
+    checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
+    with pytest.raises(CheckpointDamagedError, match=DAMAGE[kind]) as info:
+        checkpointer.restore(target)
+    assert info.value.step == 2 and info.value.folder == tmp_path / "2"
+    assert f"step 2 in {tmp_path / '2'} is damaged" in str(info.value)
+    assert "\n" not in str(info.value) and "Move that folder" in str(info.value)
+
+    with pytest.warns(UserWarning, match=r"step 2 .* is damaged: .*Resuming from step 1") as warned:
+        resumed = checkpointer.resume(target)
+    assert resumed is not None and resumed.step == 1 and resumed.data == {"step": 1}
+    assert resumed.set_aside == (tmp_path / "2.damaged",)
+    assert str(tmp_path / "2.damaged") in str(warned[0].message)
+    for name, value in saved[1].items():
+        np.testing.assert_array_equal(meshkit.to_host(resumed.state[name]), value)
+    assert names(tmp_path) == ["1", "2.damaged"]
+    assert checkpointer.save(2, placed(saved[2], mesh), {"step": 2})  # step 2 can be saved again
+    checkpointer.wait()
+    assert checkpointer.latest_step() == 2
+    checkpointer.close()
+
+
+def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    saved = save_two_steps(tmp_path, mesh)
+    damage(tmp_path / "2", "bit flip")
+    damage(tmp_path / "1", "truncate")
+    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    with pytest.raises(CheckpointDamagedError, match=r"No checkpoint in .* is intact: step 2: .*"):
+        checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
+    checkpointer.close()
+    assert names(tmp_path) == ["1", "2"]
+
+
+def test_a_checkpoint_without_a_digest_restores_with_a_warning(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    saved = save_two_steps(tmp_path, mesh)
+    for path in sorted((tmp_path / "2" / "digest").iterdir()):
+        path.unlink()
+    (tmp_path / "2" / "digest").rmdir()  # as written before checkpoints held a digest
+    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    with pytest.warns(UserWarning, match="has no digest .* restored without verification"):
+        state, _ = checkpointer.restore(train.abstract_like(placed(saved[2], mesh)))
+    checkpointer.close()
+    np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved[2]["w"])
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Makes the data item's write in Orbax's background commit fail with ENOSPC."""
+
+    async def no_space(self, item, directory):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+
+    def fill():
+        monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", no_space)
+
+    return fill
+
+
+def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_disk):
+    tree = {"w": jnp.ones((8, 8))}
+    checkpointer = train.Checkpointer(tmp_path, save_every=10)
+    checkpointer.save(10, tree, {"step": 10})
+    checkpointer.wait()
+    full_disk()
+    assert checkpointer.save(20, tree, {"step": 20})  # started; fails in the background
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointSaveError) as info:
+        while time.monotonic() < deadline:
+            checkpointer.should_save(21)
+            time.sleep(0.01)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"Saving the checkpoint of step 20 in {tmp_path} failed: [Errno 28] " in message
+    assert "No space left on device" in message and "Free space on that file system" in message
+    assert (
+        "stopped at step 21 and the partial folder 20.orbax-checkpoint-tmp was removed" in message
+    )
+    assert message.endswith("then rerun the same command to resume from step 10.")
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert names(tmp_path) == ["10"]  # the partial folder is gone
+    checkpointer.close()  # reports nothing twice
+    assert train.Checkpointer(tmp_path, save_every=10).latest_step() == 10
+
+
+def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    pipeline = data.TrainPipeline(data.digits("train"), global_batch_size=64, sharding=sharding)
+
+    def init(rng):
+        return {"params": {"w": 0.01 * jax.random.normal(rng, (64, 10))}}
+
+    def apply(variables, images, *, train=False, rngs=None, mutable=False):
+        return images.reshape(images.shape[0], -1) @ variables["params"]["w"]
+
+    state = train.create_train_state(train.Model(init=init, apply=apply), optax.sgd(0.1), mesh)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    taken = []
+
+    def slow_step(state, batch):  # room for the failing write to end before the next save
+        taken.append(len(taken) + 1)
+        if len(taken) == 10:
+            full_disk()
+        time.sleep(0.03 if len(taken) > 10 else 0)
+        return step(state, batch)
+
+    with pytest.raises(CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]") as info:
+        train.fit(
+            state, slow_step, pipeline, num_steps=40, workdir=tmp_path, checkpoint_every=10,
+            progress=False,
+        )  # fmt: skip
+    assert 10 < taken[-1] < 20  # reported before the next save, not by it
+    assert f"Training stopped at step {taken[-1]} and the partial folder 10." in str(info.value)
+    assert names(tmp_path / "checkpoints") == []
+
+
+def test_the_non_finite_message_calls_the_checkpoint_verified_on_resume_not_good(tmp_path):
+    checkpointer = train.Checkpointer(tmp_path, save_every=10)
+    checkpointer.save(10, {"w": jnp.ones(2)}, {"step": 10})
+    checkpointer.wait()
+    log = _Log(tmp_path, tqdm(disable=True), checkpointer)
+    read = IntervalRead(first=11, last=20, means={"loss": float("nan")}, first_bad_step=15)
+    with pytest.raises(train.NonFiniteLossError) as info:
+        log.interval(read)
+    checkpointer.close()
+    message = str(info.value)
+    assert "good" not in message
+    assert f"step 10 in {tmp_path}, was saved before it and is kept (verified" in message
+
+
+def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[str]]:
+    """Every process saves steps 1 and 2, process 0 flips a bit of step 2, all resume.
+
+    Returns step 2's digest as saved, the step resumed from and the folders set aside.
+    """
+    mesh = meshkit.make_mesh("data=-1")
+    saved = save_two_steps(Path(directory), mesh)
+    multihost_utils.sync_global_devices("saved")
+    if jax.process_index() == 0:
+        damage(Path(directory) / "2", "bit flip")
+    multihost_utils.sync_global_devices("damaged")
+    checkpointer = train.Checkpointer(directory, save_every=1)
+    resumed = checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
+    checkpointer.close()
+    assert resumed is not None
+    digest = tree_digest(placed(saved[2], mesh))
+    return digest, resumed.step, [path.name for path in resumed.set_aside]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_save_the_digest_of_one_and_fall_back_together(tmp_path):
+    results = run_processes(save_damage_resume, str(tmp_path))
+    saved = {name: value + 2 for name, value in values().items() if name != "mask"}
+    assert results == [(tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
+    mesh = meshkit.make_mesh("data=-1")  # this process's own devices: another mesh
+    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    saved = {name: value + 1 for name, value in values().items() if name != "mask"}
+    state, _ = checkpointer.restore(train.abstract_like(placed(saved, mesh)), step=1)  # verified
+    checkpointer.close()
+    np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved["w"])
