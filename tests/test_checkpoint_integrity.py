@@ -22,8 +22,6 @@ from tqdm import tqdm
 import meshkit
 from meshkit import data, train
 from meshkit.testing import run_processes
-from meshkit.train._checkpoint import CheckpointDamagedError, CheckpointSaveError
-from meshkit.train._digest import tree_digest
 from meshkit.train._interval import IntervalRead
 from meshkit.train._loop import _Log
 
@@ -64,15 +62,17 @@ def placed(tree: dict[str, np.ndarray], mesh, spec=None) -> dict[str, jax.Array]
 
 def test_digest_matches_numpy_on_any_mesh_and_sees_one_bit():
     expected = {name: numpy_digest(value) for name, value in values().items()}
-    assert tree_digest(values()) == expected  # host values, on one device
+    assert train.tree_digest(values()) == expected  # host values, on one device
     for shape, spec in (("data=-1", P("data")), ("data=-1", P()), ("data=-1,model=1", P("model"))):
         mesh = meshkit.make_mesh(shape)
-        assert tree_digest(placed(values(), mesh, spec)) == expected, (shape, spec)
+        assert train.tree_digest(placed(values(), mesh, spec)) == expected, (shape, spec)
     key = {"rng": jax.random.key(3)}
-    assert tree_digest(key) == {"rng": numpy_digest(np.asarray(jax.random.key_data(key["rng"])))}
+    assert train.tree_digest(key) == {
+        "rng": numpy_digest(np.asarray(jax.random.key_data(key["rng"])))
+    }
     bits = values()["w"].view(np.uint32).copy()
     bits[17, 3] ^= 1 << 31  # the sign bit of one value
-    assert tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
+    assert train.tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
 
 
 def names(folder: Path) -> list[str]:
@@ -123,7 +123,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_pat
     damage(tmp_path / "2", kind)
     target = train.abstract_like(placed(saved[2], mesh))
     checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
-    with pytest.raises(CheckpointDamagedError, match=DAMAGE[kind]) as info:
+    with pytest.raises(train.CheckpointDamagedError, match=DAMAGE[kind]) as info:
         checkpointer.restore(target)
     assert info.value.step == 2 and info.value.folder == tmp_path / "2"
     assert f"step 2 in {tmp_path / '2'} is damaged" in str(info.value)
@@ -149,7 +149,9 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     damage(tmp_path / "2", "bit flip")
     damage(tmp_path / "1", "truncate")
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
-    with pytest.raises(CheckpointDamagedError, match=r"No checkpoint in .* is intact: step 2: .*"):
+    with pytest.raises(
+        train.CheckpointDamagedError, match=r"No checkpoint in .* is intact: step 2: .*"
+    ):
         checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
     checkpointer.close()
     assert names(tmp_path) == ["1", "2"]
@@ -189,7 +191,7 @@ def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_di
     full_disk()
     assert checkpointer.save(20, tree, {"step": 20})  # started; fails in the background
     deadline = time.monotonic() + 30
-    with pytest.raises(CheckpointSaveError) as info:
+    with pytest.raises(train.CheckpointSaveError) as info:
         while time.monotonic() < deadline:
             checkpointer.should_save(21)
             time.sleep(0.01)
@@ -231,7 +233,9 @@ def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
         time.sleep(0.03 if len(taken) > 10 else 0)
         return step(state, batch)
 
-    with pytest.raises(CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]") as info:
+    with pytest.raises(
+        train.CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]"
+    ) as info:
         train.fit(
             state, slow_step, pipeline, num_steps=40, workdir=tmp_path, checkpoint_every=10,
             progress=False,
@@ -270,7 +274,7 @@ def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[
     resumed = checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
     checkpointer.close()
     assert resumed is not None
-    digest = tree_digest(placed(saved[2], mesh))
+    digest = train.tree_digest(placed(saved[2], mesh))
     return digest, resumed.step, [path.name for path in resumed.set_aside]
 
 
@@ -278,7 +282,7 @@ def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[
 def test_two_processes_save_the_digest_of_one_and_fall_back_together(tmp_path):
     results = run_processes(save_damage_resume, str(tmp_path))
     saved = {name: value + 2 for name, value in values().items() if name != "mask"}
-    assert results == [(tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
+    assert results == [(train.tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
     mesh = meshkit.make_mesh("data=-1")  # this process's own devices: another mesh
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
     saved = {name: value + 1 for name, value in values().items() if name != "mask"}

@@ -1,9 +1,13 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
+from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
+from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
+from meshkit.train._checkpoint import Restored as Restored
 from meshkit.train._checkpoint import abstract_like as abstract_like
 from meshkit.train._config import run_config as run_config
 from meshkit.train._config import write_run_config as write_run_config
+from meshkit.train._digest import tree_digest as tree_digest
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._loop import fit as fit

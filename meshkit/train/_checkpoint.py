@@ -88,11 +88,14 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def _root_cause(error: BaseException) -> str:
-    """The innermost exception's first line (Orbax wraps TensorStore's own message)."""
+def _root_cause(error: BaseException, limit: int = 300) -> str:
+    """The innermost exception's first line (Orbax wraps TensorStore's own message).
+
+    TensorStore's JSON spec, appended to its messages, is left out.
+    """
     root = _chain(error)[-1]
-    lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0] if lines else ''}"
+    line = (str(root).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    return f"{type(root).__name__}: {line if len(line) <= limit else line[: limit - 3] + '...'}"
 
 
 def _os_error(error: BaseException) -> OSError | None:

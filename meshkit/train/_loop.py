@@ -165,8 +165,11 @@ def fit(
 
     Checkpoints hold the train state and the data iterator's state, so a killed run
     restarted with the same arguments continues exactly where the last checkpoint left
-    it, on any mesh. A SIGTERM saves at the next step boundary and returns with
-    ``preempted=True``.
+    it, on any mesh. A damaged newest checkpoint (its state differs from the digest
+    saved with it, or a file is missing) is moved aside with a warning and the newest
+    intact one is used (``Checkpointer.resume``); a save that fails in the background
+    (a full disk) stops training at the next step with ``CheckpointSaveError``. A
+    SIGTERM saves at the next step boundary and returns with ``preempted=True``.
 
     Args:
       state: the initial train state, placed on the mesh (from ``create_train_state``);
