@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+from collections.abc import Sequence
 
 # The watchdog's program: standard library only, so it starts in milliseconds. It reads
 # "+PGID" (watch this group), "-PGID" (it has exited) and "done" (the launcher ended
@@ -50,7 +51,8 @@ class Watchdog:
         >>> watchdog.watch(child.pid)
         >>> child.wait()
         0
-        >>> watchdog.exited(child.pid)
+        >>> watchdog.poll([child])  # reports the exit, so that the id is forgotten
+        [0]
         >>> watchdog.close()
     """
 
@@ -60,14 +62,25 @@ class Watchdog:
             stdin=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C or hangup to our group does not reach it
         )
+        self._watched: set[int] = set()
 
     def watch(self, group: int) -> None:
         """Kill process group ``group`` (a child started with a new session) if we die."""
+        self._watched.add(group)
         self._send(f"+{group}")
 
     def exited(self, group: int) -> None:
         """Forget ``group``: its leader has exited and been reaped, so the id may be reused."""
+        self._watched.discard(group)
         self._send(f"-{group}")
+
+    def poll(self, children: Sequence[subprocess.Popen[bytes]]) -> list[int | None]:
+        """Each child's exit code (``None`` while it runs); forgets those that have exited."""
+        codes = [child.poll() for child in children]
+        for child, code in zip(children, codes, strict=True):
+            if code is not None and child.pid in self._watched:
+                self.exited(child.pid)
+        return codes
 
     def close(self) -> None:
         """Tells the watchdog that we ended normally; it exits without killing anything."""

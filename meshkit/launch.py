@@ -197,17 +197,6 @@ class LocalProcesses:
             child.wait()
         self._watchdog.close()
 
-    def _poll(self) -> list[int | None]:
-        """Each process's exit code, or ``None`` while it runs."""
-        codes = []
-        for child in self.processes:
-            running = child.returncode is None
-            code = child.poll()
-            if running and code is not None:
-                self._watchdog.exited(child.pid)
-            codes.append(code)
-        return codes
-
     def wait(self, *, timeout: float | None = None, grace: float = DEFAULT_GRACE) -> int:
         """Waits for every process and returns the launch's exit code.
 
@@ -220,7 +209,7 @@ class LocalProcesses:
         stop_at = None
         terminated = False
         while True:
-            codes = self._poll()
+            codes = self._watchdog.poll(self.processes)
             if first_failure is None:
                 failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
                 if failed:

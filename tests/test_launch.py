@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import ipaddress
 import os
 import signal
 import subprocess
@@ -82,25 +83,136 @@ def test_a_failing_process_stops_the_others_and_sets_the_exit_code():
     assert "process 1 exited with code 3" in result.stderr
 
 
-def test_sigterm_reaches_every_process_and_their_exit_code_comes_back():
-    code = textwrap.dedent("""
-        import os, signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *_: (print("saving", flush=True), sys.exit(75)))
-        print("ready", flush=True)
-        time.sleep(600)
-    """)
+# Each process reports the signal it got: a stop request must arrive as SIGTERM, the
+# signal JAX's preemption service watches, whichever signal the launcher received.
+REPORT_SIGNALS = textwrap.dedent("""
+    import signal, sys, time
+    def report(signum, frame):
+        print("got", signal.Signals(signum).name, flush=True)
+        sys.exit(75 if signum == signal.SIGTERM else 1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, report)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+# Each process prints its pid, then ignores SIGTERM: only a SIGKILL ends it.
+IGNORE_SIGTERM = textwrap.dedent("""
+    import os, signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("pid", os.getpid(), flush=True)
+    time.sleep(600)
+""")
+
+
+def start_launcher(code: str, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Starts the launcher on ``code`` and returns it with the first line of each process."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "meshkit.launch", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "meshkit.launch", *args, "--", sys.executable, "-c", code],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     assert launcher.stdout is not None
-    ready = [launcher.stdout.readline() for _ in range(2)]
-    assert sorted(ready) == ["[0] ready\n", "[1] ready\n"]
-    launcher.send_signal(signal.SIGTERM)
-    out, _ = launcher.communicate(timeout=60)
-    assert launcher.returncode == 75
-    assert sorted(out.splitlines()) == ["[0] saving", "[1] saving"]
+    return launcher, sorted(launcher.stdout.readline() for _ in range(2))
+
+
+def is_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("received", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_sigterm_and_hangup_reach_every_process_as_sigterm(received):
+    launcher, ready = start_launcher(REPORT_SIGNALS)
+    assert ready == ["[0] ready\n", "[1] ready\n"]
+    launcher.send_signal(received)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err
+    assert sorted(out.splitlines()) == ["[0] got SIGTERM", "[1] got SIGTERM"]
+    if received == signal.SIGINT:
+        assert "press Ctrl-C again to kill them" in err
+
+
+def test_a_second_ctrl_c_kills_every_process():
+    launcher, ready = start_launcher(IGNORE_SIGTERM)
+    pids = [int(line.split()[-1]) for line in ready]
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert not any(is_gone(pid) for pid in pids)  # they ignore the SIGTERM
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert "second Ctrl-C: killing every process" in err
+    assert all(is_gone(pid) for pid in pids)
+
+
+def test_the_processes_die_with_a_killed_launcher():
+    # Started in sessions of their own, they used to be re-parented to PID 1 and run on.
+    launcher, ready = start_launcher(IGNORE_SIGTERM)
+    pids = [int(line.split()[-1]) for line in ready]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while not all(is_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} outlived the launcher"
+        time.sleep(0.05)
+
+
+def test_a_failing_process_ends_a_process_that_ignores_sigterm_within_the_grace():
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        if os.environ["MESHKIT_PROCESS_ID"] == "0":
+            time.sleep(0.5)
+            sys.exit(4)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a process with JAX's notifier
+        time.sleep(600)
+    """)
+    start = time.monotonic()
+    result = run_launcher(code, "--grace", "1")
+    assert result.returncode == 4
+    assert 1 + launch.KILL_AFTER_TERM <= time.monotonic() - start < 30
+
+
+def test_the_coordination_service_listens_on_127_0_0_1_only(tmp_path: Path):
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("reads the listening sockets from Linux's /proc/net")
+    # Process 0 lists the sockets listening on the coordinator's port, IPv4 and IPv6.
+    code = textwrap.dedent(f"""
+        import os, meshkit
+        meshkit.distributed.initialize()
+        port = int(os.environ["MESHKIT_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+        if os.environ["MESHKIT_PROCESS_ID"] == "0":
+            found = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                for line in open(table).read().splitlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    address, hex_port = local.split(":")
+                    if state == "0A" and int(hex_port, 16) == port:
+                        found.append(address)
+            open({str(tmp_path / "listening")!r}, "w").write(" ".join(found))
+    """)
+    result = run_launcher(code, "-d", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    listening = {proc_net_address(hex) for hex in (tmp_path / "listening").read_text().split()}
+    assert listening == {ipaddress.ip_address("127.0.0.1")}  # it was [::], every interface
+
+
+def proc_net_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp{,6} writes it (32-bit words in host order), decoded.
+
+    An IPv4 address that an IPv6 socket listens on comes back as IPv4.
+    """
+    words = [bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, len(hex_address), 8)]
+    address = ipaddress.ip_address(b"".join(words))
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def test_timeout_kills_everything():
@@ -125,6 +237,29 @@ def test_bad_command_lines_are_refused_with_the_fix():
     )
     assert result.returncode == 2 and "--processes must be at least 1, got 0" in result.stderr
     assert launch.main(["--", "no-such-program-here"]) == 127
+
+
+class ClosedTerminal(io.BytesIO):
+    def write(self, data, /):
+        raise OSError(5, "Input/output error")
+
+
+def test_a_closed_terminal_does_not_stop_the_copying():
+    # After a hangup, writes to the terminal fail; the child's pipe must still be drained
+    # (or the child blocks on a full pipe while it saves), and nothing raises.
+    prefixer = launch._Prefixer(0, 1, ClosedTerminal(), threading.Lock())
+    read, write = os.pipe()
+
+    def child() -> None:
+        with os.fdopen(write, "wb") as out:
+            out.write(b"line\n" * 100_000)  # more than a pipe holds: needs a reader
+
+    writer = threading.Thread(target=child)
+    writer.start()
+    with os.fdopen(read, "rb") as stream:
+        prefixer.copy(stream)
+    writer.join(timeout=10)
+    assert not writer.is_alive() and prefixer.out_closed
 
 
 def test_progress_updates_keep_their_carriage_returns_behind_the_prefix():

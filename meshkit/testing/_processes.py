@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from meshkit._checks import check_int
+from meshkit._watchdog import Watchdog
 from meshkit.distributed import backend_started
 from meshkit.launch import free_port, process_environment
 
@@ -64,14 +65,23 @@ def _tail(text: str, lines: int = 60) -> str:
 class ProcessGroup:
     """Local processes joined by ``jax.distributed``, started by ``start_processes``.
 
+    If the process that started them dies first (a test run killed by a timeout), a
+    watchdog kills them, so none keeps running unsupervised.
+
     Attributes:
       processes: the ``subprocess.Popen`` of each process, in process order.
       log_dir: the folder holding ``process_<i>.log`` (and function results).
     """
 
-    def __init__(self, processes: list[subprocess.Popen[bytes]], log_dir: Path):
+    def __init__(
+        self,
+        processes: list[subprocess.Popen[bytes]],
+        log_dir: Path,
+        watchdog: Watchdog | None = None,
+    ):
         self.processes = processes
         self.log_dir = log_dir
+        self._watchdog = watchdog
 
     def log(self, process_id: int) -> str:
         """Everything process ``process_id`` printed so far."""
@@ -87,7 +97,7 @@ class ProcessGroup:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                codes = [child.poll() for child in self.processes]
+                codes = self._poll()
                 failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
                 if check and failed:
                     time.sleep(0.5)  # let the others report their own errors first
@@ -108,12 +118,20 @@ class ProcessGroup:
         finally:
             self.kill()
 
+    def _poll(self) -> list[int | None]:
+        if self._watchdog is None:
+            return [child.poll() for child in self.processes]
+        return self._watchdog.poll(self.processes)
+
     def kill(self) -> None:
         """Kills every process that is still running (and its children)."""
         for child in self.processes:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
+        if self._watchdog is not None:
+            self._watchdog.close()
 
     def results(self) -> list[Any]:
         """What a function target returned in each process (``None`` where nothing was)."""
@@ -148,6 +166,7 @@ def start_processes(
     else:
         command = list(target)
     address = f"127.0.0.1:{free_port()}"
+    watchdog = Watchdog()
     processes = []
     for process_id in range(num_processes):
         child_env = process_environment(
@@ -168,7 +187,8 @@ def start_processes(
                     start_new_session=True,
                 )
             )
-    return ProcessGroup(processes, logs)
+        watchdog.watch(processes[-1].pid)
+    return ProcessGroup(processes, logs, watchdog)
 
 
 def run_processes(
@@ -184,7 +204,8 @@ def run_processes(
 
     Each process gets ``devices_per_process`` fake CPU devices and the environment
     that ``meshkit.distributed.initialize()`` reads (coordinator on 127.0.0.1 at a
-    free port), so a pod run can be rehearsed on one machine.
+    free port, where the coordination service then listens, on that address only),
+    so a pod run can be rehearsed on one machine.
 
     Args:
       target: a module-level function, called as ``target(*args)`` in every process
