@@ -77,3 +77,69 @@ def test_initialize_in_a_fresh_process_sets_cpu_devices():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.split() == ["single", "3"]
+
+
+@pytest.mark.parametrize(
+    ("address", "env", "bind", "heartbeat"),
+    [
+        ("127.0.0.1:1234", {}, "127.0.0.1:1234", 10),  # a rehearsal: this machine only
+        ("localhost:1234", {}, "localhost:1234", 10),
+        ("10.0.0.1:1234", {}, None, 100),  # another host: JAX's defaults
+        ("127.0.0.1:1234", {"JAX_COORDINATOR_BIND_ADDRESS": "[::]:1234"}, None, 10),
+    ],
+)
+def test_initialize_binds_a_loopback_coordinator_to_it_and_shortens_the_heartbeat(
+    monkeypatch, address, env, bind, heartbeat
+):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(meshkit.distributed, "backend_started", lambda: False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    meshkit.distributed.initialize(address, 2, 1)
+    assert calls[0]["coordinator_bind_address"] == bind
+    assert calls[0]["heartbeat_timeout_seconds"] == heartbeat
+    assert sys.excepthook is not sys.__excepthook__  # several processes: fail fast
+    meshkit.distributed.initialize(address, 2, 1, heartbeat_timeout=30, fail_fast=False)
+    assert calls[1]["heartbeat_timeout_seconds"] == 30
+    with pytest.raises(ValueError, match="heartbeat_timeout must be an int >= 1 s, got 0"):
+        meshkit.distributed.initialize(address, 2, 1, heartbeat_timeout=0)
+
+
+def test_one_process_keeps_the_default_excepthook(monkeypatch):
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(meshkit.distributed, "backend_started", lambda: False)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    meshkit.distributed.initialize("127.0.0.1:1234", 1, 0)
+    assert sys.excepthook is sys.__excepthook__
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("raised", "code"), [("ValueError('bad row 7')", 1), ("KeyboardInterrupt()", 130)]
+)
+def test_an_uncaught_exception_exits_at_once_with_its_code(raised, code):
+    # atexit stands in for jax.distributed's shutdown, which waits for every process.
+    program = (
+        "import atexit, sys, meshkit.distributed as d\n"
+        "d.exit_on_uncaught_exception(process_id=3)\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "print('unflushed', end='')\n"
+        f"raise {raised}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == code
+    assert out.stdout == "unflushed"
+    kind = raised.split("(")[0]
+    assert f"\n{kind}" in out.stderr  # the traceback, printed by the previous hook
+    assert out.stderr.rstrip().endswith(
+        f"[meshkit] Process 3 failed with {kind}; exiting with code {code} now rather than "
+        "waiting in jax.distributed's shutdown for the other processes, which would wait "
+        "for this one."
+    )

@@ -1,0 +1,92 @@
+"""PreemptionWatcher in one process: SIGTERM and the first Ctrl-C save; a second Ctrl-C stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import data, train
+
+
+def interrupt() -> None:
+    """A Ctrl-C: SIGINT to this process, handled before the next line runs."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_the_first_ctrl_c_is_a_preemption_and_the_second_interrupts():
+    watcher = train.PreemptionWatcher()
+    try:
+        assert not watcher.reached(1)
+        interrupt()
+        assert watcher.reached(2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            interrupt()
+    finally:
+        watcher.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_is_a_preemption_and_close_restores_both_handlers():
+    term = signal.getsignal(signal.SIGTERM)
+    watcher = train.PreemptionWatcher()
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watcher.reached(1)
+    watcher.close()
+    assert signal.getsignal(signal.SIGTERM) == term
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_handler_of_the_programs_own_is_left_alone():
+    def own(signum, frame):
+        del signum, frame
+
+    previous = signal.signal(signal.SIGINT, own)
+    try:
+        watcher = train.PreemptionWatcher()
+        interrupt()
+        assert not watcher.reached(1)
+        watcher.close()
+        assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, capfd):
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    rng = np.random.default_rng(0)
+    source = data.ArraySource(
+        {"image": rng.normal(size=(256, 4)).astype(np.float32), "label": rng.integers(0, 2, 256)}
+    )
+    pipeline = data.TrainPipeline(source, global_batch_size=16, sharding=sharding)
+    model = train.linen_model(nn.Dense(2), jnp.zeros((1, 4)))
+    state = train.create_train_state(model, optax.sgd(0.1), mesh)
+    jitted = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    taken = 0
+
+    def step(state, batch):  # a plain Python step: fit calls it once per step
+        nonlocal taken
+        taken += 1
+        if taken == 7:
+            interrupt()
+        return jitted(state, batch)
+
+    result = train.fit(
+        state, step, pipeline, num_steps=1000, workdir=tmp_path, checkpoint_every=100,
+        progress=False,
+    )  # fmt: skip
+    assert result.preempted and result.step == taken == 7
+    assert sorted(int(path.name) for path in (tmp_path / "checkpoints").iterdir()) == [7]
+    assert "Ctrl-C: saving a checkpoint at the next step" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
