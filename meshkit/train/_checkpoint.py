@@ -5,11 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import gc
-import logging
 import shutil
-import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +17,13 @@ from jax.experimental import multihost_utils
 
 from meshkit._pytree import path_str
 from meshkit.train._digest import tree_digest
+from meshkit.train._orbax_errors import (
+    collect_abandoned_reads,
+    one_line_orbax_errors,
+    os_error,
+    root_cause,
+    silence_abandoned_reads,
+)
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step folder still being written
 
@@ -80,29 +83,6 @@ def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
     return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    """``error`` and the exceptions it was raised from, outermost first."""
-    chain = [error]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) and cause not in chain:
-        chain.append(cause)
-    return chain
-
-
-def _root_cause(error: BaseException, limit: int = 300) -> str:
-    """The innermost exception's first line (Orbax wraps TensorStore's own message).
-
-    TensorStore's JSON spec, appended to its messages, is left out.
-    """
-    root = _chain(error)[-1]
-    line = (str(root).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
-    return f"{type(root).__name__}: {line if len(line) <= limit else line[: limit - 3] + '...'}"
-
-
-def _os_error(error: BaseException) -> OSError | None:
-    """The first ``OSError`` in ``error``'s chain (``ENOSPC`` for a full disk), if any."""
-    return next((e for e in _chain(error) if isinstance(e, OSError)), None)
-
-
 def _everywhere(ok: bool) -> bool:
     """Whether ``ok`` holds on every process: a collective when there are several."""
     if jax.process_count() == 1:
@@ -119,73 +99,6 @@ def _digest_differences(saved: dict[str, list[int]], read: dict[str, list[int]])
         return ""
     shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     return f"{len(differ)} of {len(saved)} arrays differ from the digest saved with it ({shown})"
-
-
-class _OneLineOrbaxErrors(logging.Filter):
-    """Keeps Orbax's error records to their first line.
-
-    A failed background save is logged by several Orbax threads, each with the full
-    traceback; the ``CheckpointSaveError`` raised for it carries that traceback once.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and "orbax" in record.pathname:
-            record.exc_info = record.exc_text = None
-        return True
-
-
-_ORBAX_FILTER = _OneLineOrbaxErrors()
-
-
-def _raised_in_orbax(error: BaseException | None) -> bool:
-    """Whether ``error`` (or one it was raised from) passed through Orbax's code."""
-    for link in _chain(error) if error is not None else []:
-        frames = traceback.extract_tb(link.__traceback__)
-        if any("orbax" in frame.filename for frame in frames):
-            return True
-    return False
-
-
-def _abandoned_read(exc_value: BaseException | None) -> bool:
-    """Whether an unretrieved exception comes from a read that a failed restore abandoned.
-
-    Either it was raised in Orbax, or it is TensorStore finishing a read after Orbax
-    closed the event loop that was waiting for it.
-    """
-    if exc_value is None:
-        return False
-    frames = traceback.extract_tb(exc_value.__traceback__)
-    closed_loop = any(frame.name == "call_soon_threadsafe" for frame in frames)
-    return closed_loop or _raised_in_orbax(exc_value)
-
-
-class _DropAbandonedReads(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for abandoned reads."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _abandoned_read(record.exc_info[1]))
-
-
-def _silence_abandoned_reads() -> None:
-    """Silences the reports of the reads that a failed Orbax restore abandons.
-
-    When one array read fails, Orbax stops waiting for the others, and Python,
-    asyncio and TensorStore's threads report each one as it ends or is collected,
-    with TensorStore's full spec: dozens of lines per array, some of them after the
-    restore has returned. The ``CheckpointDamagedError`` raised instead names the
-    damage and chains the first failure. Installed at the first restore, for the rest
-    of the process; every other report goes to the previous hook.
-    """
-    previous = sys.unraisablehook
-    if not getattr(previous, "drops_abandoned_reads", False):
-
-        def hook(unraisable: Any) -> None:
-            if not _abandoned_read(unraisable.exc_value):
-                previous(unraisable)
-
-        hook.drops_abandoned_reads = True  # pyright: ignore[reportFunctionMemberAccess]
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(_DropAbandonedReads())
 
 
 class Checkpointer:
@@ -222,7 +135,7 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: int | None = None  # the step of a save that may still be running
-        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # a no-op when already there
+        one_line_orbax_errors()
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or ``None``."""
@@ -256,7 +169,7 @@ class Checkpointer:
         try:
             started = self._manager.save(step, args=args, force=force)
         except Exception as error:
-            if _os_error(error) is None:
+            if os_error(error) is None:
                 raise
             raise self._save_failed(step, error, step) from error
         self._pending = step if started else None
@@ -290,8 +203,8 @@ class Checkpointer:
         partial = sorted(self.directory.glob(f"{step}{_TMP_SUFFIX}*"))
         for path in partial:
             shutil.rmtree(path, ignore_errors=True)
-        os_error = _os_error(error)
-        full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+        system = os_error(error)
+        full = system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
         self._manager.reload()
         latest = self._manager.latest_step()
         stopped = (
@@ -304,7 +217,7 @@ class Checkpointer:
         fix = "Free space on that file system (or keep fewer checkpoints)" if full else "Fix that"
         return CheckpointSaveError(
             f"Saving the checkpoint of step {step} in {self.directory} failed: "
-            f"{os_error if os_error is not None else _root_cause(error)}. {stopped}{removed}. "
+            f"{system if system is not None else root_cause(error)}. {stopped}{removed}. "
             f"{fix}, then rerun the same command to {resume}."
         )
 
@@ -339,13 +252,13 @@ class Checkpointer:
         }
         if verified:
             items["digest"] = ocp.args.JsonRestore()  # pyright: ignore[reportCallIssue]
-        _silence_abandoned_reads()
+        silence_abandoned_reads()
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:
-            gc.collect()  # the abandoned reads are reported when collected: now, silenced
+            collect_abandoned_reads()
             self._raise_if_another_model(step, target, error)
-            damage = f"it could not be read ({_root_cause(error)})"
+            damage = f"it could not be read ({root_cause(error)})"
             agreed = jax.process_count() == 1  # other processes may have read their part
             raise self._damaged(step, damage, agreed=agreed) from error
         if not verified:
