@@ -9,7 +9,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHMARKS = ["fit_overhead", "data_parallel_step", "data_loader", "full_eval", "ensemble", "lbfgs"]
+BENCHMARKS = [
+    "fit_overhead",
+    "data_parallel_step",
+    "precision",
+    "data_loader",
+    "full_eval",
+    "ensemble",
+    "lbfgs",
+]
 
 
 def main(names: list[str]) -> int:

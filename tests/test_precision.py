@@ -25,7 +25,14 @@ class MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
-def build(mesh, *, precision="f32", microbatches=1, module=None, learning_rate=0.1):
+def build(
+    mesh,
+    *,
+    precision: str | train.Precision = "f32",
+    microbatches=1,
+    module=None,
+    learning_rate=0.1,
+):
     sharding = meshkit.batch_sharding(mesh)
     model = train.linen_model(module or MLP(), jnp.zeros((1, 8, 8, 1)))
     tx = optax.sgd(learning_rate, momentum=0.9)
@@ -64,6 +71,26 @@ def test_four_micro_batches_equal_one_step_on_the_whole_batch():
         assert a.keys() == b.keys() == {"loss", "grad_norm", "accuracy"}
         np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=2e-5)
     assert int(split.step) == 3  # one optimizer update per step, whatever the micro-batches
+
+
+def test_micro_batches_as_one_loop_and_unrolled_give_the_same_step():
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    state, _, pipeline = build(mesh, module=NormCNN(), learning_rate=0.05)
+    with data.GlobalBatchIterator(pipeline) as batches:
+        batch = next(batches)
+    results = []
+    for unroll in (False, True):  # GPU/TPU's choice, CPU's choice
+        step_fn = train.train_step_fn(
+            train.classification_loss,
+            microbatches=4,
+            batch_sharding=sharding,
+            unroll_microbatches=unroll,
+        )
+        results.append(meshkit.to_host(jax.jit(step_fn)(state, batch)))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert train.unrolls_microbatches("cpu") and not train.unrolls_microbatches("gpu")
 
 
 def test_micro_batches_carry_batch_statistics_from_one_to_the_next():
@@ -128,7 +155,7 @@ def test_float16_overflow_skips_the_step_halves_the_scale_and_recovers():
     assert sum(skipped[first_update:]) <= 2  # once the scale fits, overflows are rare
     assert np.mean([m["loss"] for m in history[-5:]]) < 0.5 * history[first_update]["loss"]
     assert int(state.step) == 30
-    assert float(state.loss_scale.scale) == scales[-1]
+    assert float(state.loss_scale.scale)  # pyright: ignore[reportOptionalMemberAccess] == scales[-1]
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), meshkit.to_host(state.params), start)
     assert min(jax.tree.leaves(moved)) > 0
 
@@ -144,7 +171,7 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_unchanged():
     assert float(metrics["skipped"]) == 1.0 and np.isfinite(float(metrics["loss"]))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert float(state.loss_scale.scale) == 2.0**39 and int(state.step) == 1
+    assert float(state.loss_scale.scale)  # pyright: ignore[reportOptionalMemberAccess] == 2.0**39 and int(state.step) == 1
 
 
 def test_unknown_precision_is_refused_with_the_choices():

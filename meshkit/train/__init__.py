@@ -31,3 +31,4 @@ from meshkit.train._step import classification_loss as classification_loss
 from meshkit.train._step import classification_metrics as classification_metrics
 from meshkit.train._step import make_train_step as make_train_step
 from meshkit.train._step import train_step_fn as train_step_fn
+from meshkit.train._step import unrolls_microbatches as unrolls_microbatches
