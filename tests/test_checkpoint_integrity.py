@@ -157,15 +157,23 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     assert names(tmp_path) == ["1", "2"]
 
 
-def test_a_checkpoint_without_a_digest_restores_with_a_warning(tmp_path):
+def test_a_deleted_digest_is_damage_and_an_older_checkpoint_restores_with_a_warning(tmp_path):
+    import json
+    import shutil
+
     mesh = meshkit.make_mesh("data=-1")
     saved = save_two_steps(tmp_path, mesh)
-    for path in sorted((tmp_path / "2" / "digest").iterdir()):
-        path.unlink()
-    (tmp_path / "2" / "digest").rmdir()  # as written before checkpoints held a digest
+    target = train.abstract_like(placed(saved[2], mesh))
+    shutil.rmtree(tmp_path / "2" / "digest")
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    with pytest.raises(train.CheckpointDamagedError, match=r"step 2 .* could not be read"):
+        checkpointer.restore(target)
+    metadata = tmp_path / "2" / "_CHECKPOINT_METADATA"
+    content = json.loads(metadata.read_text())
+    del content["item_handlers"]["digest"]  # as written before checkpoints held a digest
+    metadata.write_text(json.dumps(content))
     with pytest.warns(UserWarning, match="has no digest .* restored without verification"):
-        state, _ = checkpointer.restore(train.abstract_like(placed(saved[2], mesh)))
+        state, _ = checkpointer.restore(target)
     checkpointer.close()
     np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved[2]["w"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -88,6 +89,21 @@ def _everywhere(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _has_digest(folder: Path) -> bool:
+    """Whether the checkpoint in ``folder`` was saved with a digest (an older one was not).
+
+    Orbax's step metadata lists the items saved, so a digest folder deleted later
+    still counts, and restoring it fails as damage.
+    """
+    if (folder / "digest").is_dir():
+        return True
+    try:
+        items = json.loads((folder / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return "digest" in items
 
 
 def _digest_differences(saved: dict[str, list[int]], read: dict[str, list[int]]) -> str:
@@ -245,7 +261,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
         folder = self.directory / str(step)
-        verified = (folder / "digest").is_dir()  # checkpoints written before digests: not
+        verified = _has_digest(folder)
         items: dict[str, Any] = {
             "state": ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
             "data": ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
