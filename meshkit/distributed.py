@@ -204,6 +204,12 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
 
     Args:
       process_id: this process's id, for the message (``None`` when not known).
+
+    Examples:
+        >>> import jax
+        >>> from meshkit.distributed import exit_on_uncaught_exception
+        >>> jax.distributed.initialize("10.0.0.1:1234", 2, 1)  # doctest: +SKIP
+        >>> exit_on_uncaught_exception(process_id=1)  # doctest: +SKIP
     """
     previous = sys.excepthook
     name = "This process" if process_id is None else f"Process {process_id}"
