@@ -59,7 +59,11 @@ def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool 
 
 
 def learning_rate_schedule(args: argparse.Namespace) -> Any:
-    """The ``optax`` schedule of ``--learning-rate``, ``--lr-schedule`` and ``--warmup-steps``."""
+    """The ``optax`` schedule of ``--learning-rate``, ``--lr-schedule`` and ``--warmup-steps``.
+
+    A constant rate without warm-up stays a float, so the optimizer state (and the
+    checkpoints of runs made before these options) keeps its structure.
+    """
     import optax
 
     if not 0 <= args.warmup_steps < args.steps:
@@ -70,8 +74,8 @@ def learning_rate_schedule(args: argparse.Namespace) -> Any:
         return optax.warmup_cosine_decay_schedule(
             0.0, args.learning_rate, args.warmup_steps, args.steps, end_value=0.0
         )
-    constant = optax.constant_schedule(args.learning_rate)
     if not args.warmup_steps:
-        return constant
+        return args.learning_rate  # a float: the optimizer state of earlier runs, unchanged
+    constant = optax.constant_schedule(args.learning_rate)
     warmup = optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps)
     return optax.join_schedules([warmup, constant], [args.warmup_steps])
