@@ -143,3 +143,28 @@ def test_ctrl_c_on_one_process_saves_on_both_at_the_same_step(tmp_path: Path):
     saved = max(int(path.name) for path in (work / "checkpoints").iterdir())
     assert last == [f"stopped after step {saved}, preempted=True"]
     assert saved > 10
+
+
+def test_ctrl_c_to_the_launcher_saves_on_every_process_and_exits_75(tmp_path: Path):
+    work = tmp_path / "work"
+    command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "90"]
+    launcher = subprocess.Popen(
+        [*command, "--", sys.executable, str(write_script(tmp_path)), str(work), "-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (work / "checkpoints" / "10").is_dir():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == train.PREEMPTED_EXIT_CODE, out[-3000:]
+    saved = max(int(path.name) for path in (work / "checkpoints").iterdir())
+    assert sorted(line for line in out.splitlines() if "stopped after step" in line) == [
+        f"[{rank}] stopped after step {saved}, preempted=True" for rank in range(2)
+    ]
