@@ -24,14 +24,15 @@ _CTRL_C_NOTE = (
 class PreemptionWatcher:
     """Tells every process, at the same step, that a SIGTERM or a Ctrl-C arrived.
 
-    With several processes JAX's preemption service (started by
-    ``jax.distributed.initialize``) notices a SIGTERM sent to any one of them, and
-    ``reached(step)`` returns ``True`` on all processes at the same step. A single
-    process has no such service, so a SIGTERM handler records the signal instead.
+    After ``jax.distributed.initialize`` JAX's preemption service notices a SIGTERM
+    sent to any process (even one that arrived before ``fit`` started), and
+    ``reached(step)`` returns ``True`` on all processes at the same step. A process
+    without it (a plain single process) has no such service, so a SIGTERM handler
+    records the signal instead.
 
-    The first SIGINT (Ctrl-C) counts as a preemption too: with several processes the
-    handler sends this process a SIGTERM, which JAX's service sees; in a single process
-    it records it. The handler then puts the previous SIGINT handler back, so a second
+    The first SIGINT (Ctrl-C) counts as a preemption too: with JAX's service the
+    handler sends this process a SIGTERM, which the service sees; without it the
+    handler records it. The handler then puts the previous SIGINT handler back, so a second
     Ctrl-C raises ``KeyboardInterrupt`` at once, without saving. A SIGINT handler of the
     program's own (or an ignored SIGINT) is left alone. Handlers are only installed
     from the main thread, the only one Python delivers signals to.
@@ -42,8 +43,8 @@ class PreemptionWatcher:
         self._previous_term: Any = None
         self._previous_int: Any = None
         processes = jax.process_count()
-        self._multi = processes > 1 and jax.distributed.is_initialized()
-        if processes > 1 and not self._multi:
+        self._synced = jax.distributed.is_initialized()
+        if processes > 1 and not self._synced:
             # Several processes without jax.distributed (e.g. a TPU pod whose launch was
             # not detected): a per-process flag could stop processes at different steps,
             # which hangs the others, so preemption is not watched at all.
@@ -56,7 +57,7 @@ class PreemptionWatcher:
             return
         if threading.current_thread() is not threading.main_thread():
             return
-        if not self._multi:
+        if not self._synced:
             self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
@@ -69,7 +70,7 @@ class PreemptionWatcher:
         del signum, frame
         self._restore_sigint()  # a second Ctrl-C interrupts at once
         os.write(2, _CTRL_C_NOTE)
-        if self._multi:
+        if self._synced:
             os.kill(os.getpid(), signal.SIGTERM)  # for JAX's preemption notifier
         else:
             self._signalled.set()
@@ -81,7 +82,7 @@ class PreemptionWatcher:
 
     def reached(self, step: int) -> bool:
         """Whether to save and stop after ``step``; call it at every step on every process."""
-        if self._multi:
+        if self._synced:
             return multihost_utils.reached_preemption_sync_point(step)
         return self._signalled.is_set()  # never set with several unsynchronised processes
 
