@@ -23,7 +23,7 @@ import meshkit
 from meshkit import data, train
 from meshkit.testing import run_processes
 from meshkit.train._interval import IntervalRead
-from meshkit.train._loop import _Log
+from meshkit.train._records import Records
 
 
 def numpy_digest(x: np.ndarray) -> list[int]:
@@ -257,10 +257,10 @@ def test_the_non_finite_message_calls_the_checkpoint_verified_on_resume_not_good
     checkpointer = train.Checkpointer(tmp_path, save_every=10)
     checkpointer.save(10, {"w": jnp.ones(2)}, {"step": 10})
     checkpointer.wait()
-    log = _Log(tmp_path, tqdm(disable=True), checkpointer)
+    records = Records([], tqdm(disable=True), checkpointer, learning_rate=None)
     read = IntervalRead(first=11, last=20, means={"loss": float("nan")}, first_bad_step=15)
     with pytest.raises(train.NonFiniteLossError) as info:
-        log.interval(read)
+        records.interval(read, paused=0.0, input_wait=0.0)
     checkpointer.close()
     message = str(info.value)
     assert "good" not in message

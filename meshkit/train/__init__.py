@@ -8,13 +8,16 @@ from meshkit.train._checkpoint import abstract_like as abstract_like
 from meshkit.train._config import run_config as run_config
 from meshkit.train._config import write_run_config as write_run_config
 from meshkit.train._digest import tree_digest as tree_digest
+from meshkit.train._hooks import Boundary as Boundary
+from meshkit.train._hooks import EarlyStopping as EarlyStopping
+from meshkit.train._hooks import Hook as Hook
 from meshkit.train._loop import FitResult as FitResult
-from meshkit.train._loop import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._loop import fit as fit
 from meshkit.train._precision import LossScale as LossScale
 from meshkit.train._precision import Precision as Precision
 from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit.train._preemption import PreemptionWatcher as PreemptionWatcher
+from meshkit.train._records import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._state import Model as Model
 from meshkit.train._state import TrainState as TrainState
 from meshkit.train._state import abstract_train_state as abstract_train_state
@@ -32,3 +35,7 @@ from meshkit.train._step import classification_metrics as classification_metrics
 from meshkit.train._step import make_train_step as make_train_step
 from meshkit.train._step import train_step_fn as train_step_fn
 from meshkit.train._step import unrolls_microbatches as unrolls_microbatches
+from meshkit.train._writers import JsonlWriter as JsonlWriter
+from meshkit.train._writers import MetricWriter as MetricWriter
+from meshkit.train._writers import TensorBoardWriter as TensorBoardWriter
+from meshkit.train._writers import WandbWriter as WandbWriter

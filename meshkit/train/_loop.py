@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -19,10 +18,9 @@ from meshkit._types import Batch, Metrics, PerExampleFn
 from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
 from meshkit.evaluate import full_eval
 from meshkit.train._checkpoint import Checkpointer, abstract_like
+from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import (
-    WATCHED,
     Interval,
-    IntervalRead,
     MetricLayout,
     accumulating_step,
     interval_update,
@@ -30,12 +28,13 @@ from meshkit.train._interval import (
     zero_interval,
 )
 from meshkit.train._preemption import PreemptionWatcher
+from meshkit.train._profile import StepProfiler
+from meshkit.train._records import LearningRate, NonFiniteLossError, Records
 from meshkit.train._state import TrainState
 from meshkit.train._step import classification_metrics
+from meshkit.train._writers import JsonlWriter, MetricWriter
 
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss or the gradient norm stopped being finite; the run was stopped."""
+__all__ = ["FitResult", "NonFiniteLossError", "fit"]
 
 
 @dataclasses.dataclass
@@ -47,6 +46,7 @@ class FitResult:
       step: the number of steps taken in all (including those before a resume).
       resumed_from: the checkpoint step the run resumed from, or ``None``.
       preempted: whether a SIGTERM stopped the run early (after saving).
+      stopped_early: whether a hook stopped the run early (after saving).
       train_metrics: the means of the train step's metrics over the last log interval.
       eval_metrics: the last evaluation (``count`` plus metric means), or ``{}``.
       steps_per_second: training throughput after the first step of this run
@@ -60,80 +60,13 @@ class FitResult:
     step: int
     resumed_from: int | None
     preempted: bool
+    stopped_early: bool
     train_metrics: dict[str, Any]
     eval_metrics: dict[str, float]
     steps_per_second: float
     input_wait_fraction: float
     train_step_compiles: int
     max_in_flight: int
-
-
-def _step_of(line: str) -> float:
-    """The step a ``metrics.jsonl`` line records; infinite for a line cut short by a kill."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")
-
-
-class _Log:
-    """Host-side bookkeeping of interval reads (process 0 writes ``metrics.jsonl``)."""
-
-    def __init__(self, workdir: Path, bar: tqdm, checkpointer: Checkpointer):
-        self.path = workdir / "metrics.jsonl"
-        self.bar = bar
-        self.checkpointer = checkpointer
-        self.write = jax.process_index() == 0
-        self.last: dict[str, Any] = {}
-        self._file: TextIO | None = None
-
-    def interval(self, read: IntervalRead) -> None:
-        """Checks an interval for non-finite steps, then records its means."""
-        if read.first_bad_step is not None:
-            latest = self.checkpointer.latest_step()
-            kept = (
-                f"The newest checkpoint, step {latest} in {self.checkpointer.directory}, "
-                "was saved before it and is kept (verified against its digest when a run "
-                "resumes from it)"
-                if latest is not None
-                else "No checkpoint was saved before it"
-            )
-            watched = {name: read.means[name] for name in WATCHED if name in read.means}
-            raise NonFiniteLossError(
-                f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
-                f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
-                f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
-                "learning rate, check the data for NaNs, or add gradient clipping."
-            )
-        self.last = read.means
-        self.bar.update(read.last - self.bar.n)
-        if "loss" in read.means:
-            self.bar.set_postfix(loss=f"{read.means['loss']:.4f}", refresh=False)
-        self.record({"step": read.last, **read.means})
-
-    def forget_after(self, step: int) -> None:
-        """Drops the lines of steps after ``step``: a resumed run logs them again."""
-        if not self.write or not self.path.exists():
-            return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) <= step]
-        if len(kept) < len(lines):
-            partial = self.path.with_suffix(".jsonl.tmp")
-            partial.write_text("".join(kept))
-            partial.replace(self.path)  # atomic: a kill here keeps one whole file
-
-    def record(self, entry: Mapping[str, Any]) -> None:
-        if not self.write:
-            return
-        if self._file is None:
-            self._file = self.path.open("a")
-        self._file.write(json.dumps({**entry, "time": time.time()}) + "\n")
-        self._file.flush()  # each line is on disk when written: a killed run keeps it
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 def fit(
@@ -151,6 +84,10 @@ def fit(
     log_every: int = 10,
     progress: bool = True,
     max_in_flight: int | None = None,
+    writers: Sequence[MetricWriter] = (),
+    hooks: Sequence[Hook] = (),
+    learning_rate: LearningRate | None = None,
+    profile_steps: tuple[int, int] | None = None,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
 
@@ -190,6 +127,14 @@ def fit(
       progress: show a progress bar (process 0 only).
       max_in_flight: the most steps queued on the devices at once; by default
         ``default_max_in_flight(mesh)`` (1 on CPU devices, 3 on GPUs and TPUs).
+      writers: more places for the records beside ``metrics.jsonl`` (process 0
+        writes): ``TensorBoardWriter``, ``WandbWriter`` or any ``MetricWriter``.
+      hooks: called at log, evaluation and checkpoint boundaries with a ``Boundary``;
+        one returning ``True`` stops the run after saving (``EarlyStopping``).
+      learning_rate: the optimizer's schedule (or constant rate), recorded as
+        ``learning_rate`` in each training record.
+      profile_steps: ``(first_step, count)``: a ``jax.profiler`` trace of those
+        steps in ``workdir/profile/process_<i>``.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
@@ -224,24 +169,34 @@ def fit(
         unit="step",
         disable=not progress or jax.process_index() != 0,
     )
+    profiler = StepProfiler(profile_steps, workdir / "profile")
+    records = Records(
+        [JsonlWriter(workdir / "metrics.jsonl"), *writers], bar, checkpointer, learning_rate
+    )
+    records.start(start)
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
-    log = _Log(workdir, bar, checkpointer)
-    if resumed_from is not None:
-        log.forget_after(start)
-    loop = _Loop(state, log, evaluator, window, log_every)
+    loop = _Loop(state, records, evaluator, window, log_every, hooks=hooks)
     began = time.perf_counter()
     try:
         with count_compiles() as compiles:
             step = loop.run(
-                train_step, mesh, batches, watcher, checkpointer, start=start, num_steps=num_steps
+                train_step,
+                mesh,
+                batches,
+                watcher,
+                checkpointer,
+                profiler=profiler,
+                start=start,
+                num_steps=num_steps,
             )
         checkpointer.wait()
     finally:
+        profiler.stop(loop.state)
         batches.close()
         watcher.close()
         bar.close()
-        log.close()
+        records.close()
         checkpointer.close()
     wall = time.perf_counter() - began
     timed_steps = step - start - 1  # the first step of a run includes its compilation
@@ -250,7 +205,8 @@ def fit(
         step=step,
         resumed_from=resumed_from,
         preempted=loop.preempted,
-        train_metrics=loop.log.last,
+        stopped_early=loop.stop_requested,
+        train_metrics=loop.records.last,
         eval_metrics=loop.eval_metrics,
         steps_per_second=timed_steps / loop.elapsed if min(timed_steps, loop.elapsed) > 0 else 0.0,
         input_wait_fraction=batches.wait_seconds / wall if wall > 0 else 0.0,
@@ -288,18 +244,23 @@ class _Loop:
     def __init__(
         self,
         state: TrainState,
-        log: _Log,
+        records: Records,
         evaluator: _Evaluator | None,
         window: InFlight[_Queued],
         log_every: int,
+        *,
+        hooks: Sequence[Hook],
     ):
         self.state = state
-        self.log = log
+        self.records = records
         self.evaluator = evaluator
         self.window = window
         self.log_every = log_every
+        self.hooks = tuple(hooks)
         self.eval_metrics: dict[str, float] = {}
         self.preempted = False
+        self.stop_requested = False  # a hook asked to stop
+        self._input_wait: Callable[[], float] = lambda: 0.0
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
@@ -342,28 +303,34 @@ class _Loop:
         watcher: PreemptionWatcher,
         checkpointer: Checkpointer,
         *,
+        profiler: StepProfiler,
         start: int,
         num_steps: int,
     ) -> int:
         """Runs steps ``start + 1 .. num_steps``; returns the last step taken."""
+        self._input_wait = lambda: batches.wait_seconds
         step = start
         step_fn = zeros = interval = None
         for step in range(start + 1, num_steps + 1):
-            batch = next(batches)
-            if step_fn is None or zeros is None or interval is None:
-                step_fn, interval, zeros = self._first_step(train_step, mesh, batch)
-                jax.block_until_ready(interval)  # the first step includes the compilation
-                self._first_done = time.perf_counter()
-            else:
-                self.state, interval = step_fn(self.state, batch, interval)
+            profiler.before(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                batch = next(batches)
+                if step_fn is None or zeros is None or interval is None:
+                    step_fn, interval, zeros = self._first_step(train_step, mesh, batch)
+                    jax.block_until_ready(interval)  # the first step includes the compilation
+                    self._first_done = time.perf_counter()
+                else:
+                    self.state, interval = step_fn(self.state, batch, interval)
+            profiler.after(step, self.state)
             last = step == num_steps
             evaluate = self.evaluator is not None and self.evaluator.due(step, last)
             self.preempted = watcher.reached(step)
-            save = last or self.preempted or checkpointer.should_save(step)
+            stop = self.preempted or self.stop_requested
+            save = last or stop or checkpointer.should_save(step)
             if save or evaluate:
                 self._boundary(step, interval, (checkpointer, batches) if save else None, evaluate)
                 interval = zeros
-                if self.preempted:
+                if stop:
                     break
                 continue
             closes_log = step % self.log_every == 0
@@ -394,6 +361,7 @@ class _Loop:
         if save is not None:
             checkpointer, batches = save
             checkpointer.save(step, self.state, batches.state(), force=True)
+            self._call_hooks("checkpoint", step, {})
         if evaluate:
             self.evaluate(step)
         self._paused += time.perf_counter() - done
@@ -402,9 +370,19 @@ class _Loop:
         """Reads (and checks) a finished step's interval if it closes a log line."""
         if queued.closes_log:
             assert self._layout is not None
-            self.log.interval(read_interval(self._layout, queued.interval, queued.step))
+            read = read_interval(self._layout, queued.interval, queued.step)
+            values = self.records.interval(read, paused=self._paused, input_wait=self._input_wait())
+            self._call_hooks("log", queued.step, values)
 
     def evaluate(self, step: int) -> None:
         assert self.evaluator is not None
         self.eval_metrics = self.evaluator(self.state)
-        self.log.record({"step": step, **{f"eval/{k}": v for k, v in self.eval_metrics.items()}})
+        self.records.write(step, {f"eval/{k}": v for k, v in self.eval_metrics.items()})
+        self._call_hooks("eval", step, self.eval_metrics)
+
+    def _call_hooks(self, kind: BoundaryKind, step: int, metrics: dict[str, Any]) -> None:
+        """Calls every hook (all of them, even after one asks to stop)."""
+        boundary = Boundary(kind, step, metrics)
+        for hook in self.hooks:
+            if hook(boundary):
+                self.stop_requested = True

@@ -1,0 +1,53 @@
+"""A ``jax.profiler`` trace of chosen training steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshkit._checks import check_int
+
+
+class StepProfiler:
+    """Traces steps ``first .. first + count - 1`` into ``directory/process_<i>``.
+
+    The trace starts before step ``first`` is queued and stops once step
+    ``first + count - 1`` has finished on the devices, so it holds whole steps (each
+    under a ``train`` step annotation, which TensorBoard's profile plugin and Perfetto
+    show as steps). Each process writes its own folder. Steps outside the run (before a
+    resume point, after ``num_steps``) are simply not traced.
+    """
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path):
+        self.first = self.last = 0
+        if steps is not None:
+            if not isinstance(steps, tuple | list) or len(steps) != 2:
+                raise ValueError(
+                    f"profile_steps must be (first_step, count), e.g. (10, 5), got {steps!r}."
+                )
+            first = check_int(steps[0], name="profile_steps[0] (the first step)", minimum=1)
+            count = check_int(steps[1], name="profile_steps[1] (the step count)", minimum=1)
+            self.first, self.last = first, first + count - 1
+        self.directory = directory / f"process_{jax.process_index()}"
+        self.active = False
+
+    def before(self, step: int) -> None:
+        """Starts the trace before the first traced step is queued."""
+        if self.first and step == self.first:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, state: Any) -> None:
+        """Stops the trace once the last traced step has finished."""
+        if self.active and step >= self.last:
+            self.stop(state)
+
+    def stop(self, state: Any = None) -> None:
+        """Waits for ``state`` and stops the trace, if one is running."""
+        if self.active:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.active = False

@@ -1,0 +1,110 @@
+"""``fit``'s host-side records: interval checks, progress, throughput, and the writers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from meshkit.train._checkpoint import Checkpointer
+from meshkit.train._interval import WATCHED, IntervalRead
+from meshkit.train._writers import MetricWriter
+
+LearningRate = Callable[[int], Any] | float
+"""An optax schedule (``count -> rate``) or a constant rate."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradient norm stopped being finite; the run was stopped."""
+
+
+class Records:
+    """Checks each interval read, updates the progress bar, and writes the records.
+
+    Every process checks and keeps the means (the hooks see them); process 0 writes.
+    A training record holds the interval's metric means, plus ``learning_rate`` (the
+    rate of its last step, when ``fit`` knows the schedule), ``steps_per_second`` (steps
+    over the host time since the previous record, evaluation and checkpoint time left
+    out; absent from a run's first record, which includes compilation) and
+    ``input_wait`` (the share of that time spent waiting for input batches).
+    """
+
+    def __init__(
+        self,
+        writers: Sequence[MetricWriter],
+        bar: tqdm,
+        checkpointer: Checkpointer,
+        learning_rate: LearningRate | None,
+    ):
+        self.writers = list(writers) if jax.process_index() == 0 else []
+        self.bar = bar
+        self.checkpointer = checkpointer
+        self.learning_rate = learning_rate
+        self.last: dict[str, Any] = {}
+        self._since: tuple[int, float, float, float] | None = None  # step, time, paused, wait
+
+    def start(self, step: int) -> None:
+        """The run starts after ``step``: writers drop what an earlier run recorded later."""
+        for writer in self.writers:
+            writer.start(step)
+
+    def interval(self, read: IntervalRead, *, paused: float, input_wait: float) -> dict[str, Any]:
+        """Checks an interval for non-finite steps, then records and returns its values.
+
+        ``paused`` and ``input_wait`` are this run's evaluation and checkpoint seconds
+        and input-wait seconds so far.
+        """
+        if read.first_bad_step is not None:
+            raise self._non_finite(read)
+        values = dict(read.means)
+        if self.learning_rate is not None:
+            values["learning_rate"] = _rate_at(self.learning_rate, read.last)
+        now = time.perf_counter()
+        if self._since is not None:
+            step, then, paused_then, wait_then = self._since
+            seconds = now - then - (paused - paused_then)
+            if seconds > 0 and read.last > step:
+                values["steps_per_second"] = (read.last - step) / seconds
+                values["input_wait"] = min(max((input_wait - wait_then) / seconds, 0.0), 1.0)
+        self._since = (read.last, now, paused, input_wait)
+        self.last = read.means
+        self.bar.update(read.last - self.bar.n)
+        if "loss" in read.means:
+            self.bar.set_postfix(loss=f"{read.means['loss']:.4f}", refresh=False)
+        self.write(read.last, values)
+        return values
+
+    def _non_finite(self, read: IntervalRead) -> NonFiniteLossError:
+        latest = self.checkpointer.latest_step()
+        kept = (
+            f"The newest checkpoint, step {latest} in {self.checkpointer.directory}, "
+            "was saved before it and is kept (verified against its digest when a run "
+            "resumes from it)"
+            if latest is not None
+            else "No checkpoint was saved before it"
+        )
+        watched = {name: read.means[name] for name in WATCHED if name in read.means}
+        return NonFiniteLossError(
+            f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
+            f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
+            f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
+            "learning rate, check the data for NaNs, or add gradient clipping."
+        )
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        for writer in self.writers:
+            writer.write(step, values)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def _rate_at(learning_rate: LearningRate, step: int) -> float:
+    """The rate of step ``step`` (1-based): an optax schedule's value at count ``step - 1``."""
+    if callable(learning_rate):
+        return float(learning_rate(step - 1))
+    return float(learning_rate)

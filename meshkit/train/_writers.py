@@ -1,0 +1,195 @@
+"""Where ``fit``'s records go: ``metrics.jsonl`` always, TensorBoard and W&B on request.
+
+A writer gets the records process 0 makes at log and evaluation boundaries: a step
+and a flat mapping of names to floats (``loss``, ``accuracy``, ``learning_rate``,
+``steps_per_second``, ``eval/accuracy``...). ``start(step)`` is called once before the
+first record: a run resumed from a checkpoint at ``step`` drops the records an earlier
+run made after it, so every step is recorded once, by the run that kept it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, TextIO, runtime_checkable
+
+
+@runtime_checkable
+class MetricWriter(Protocol):
+    """What ``fit(writers=...)`` accepts: ``start``, ``write`` and ``close``."""
+
+    def start(self, step: int) -> None:
+        """The run starts after ``step`` (0, or the step it resumed from)."""
+        ...
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        """Records ``values`` (floats, or lists of floats) at ``step``."""
+        ...
+
+    def close(self) -> None:
+        """Flushes and releases the writer; it is not written to again."""
+        ...
+
+
+def _step_of(line: str) -> float:
+    """The step a ``metrics.jsonl`` line records; infinite for a line cut short by a kill."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
+def scalars(values: Mapping[str, Any]) -> dict[str, float]:
+    """``values`` flattened to scalars: a list value ``v`` under ``name`` gives ``name/0``...
+
+    Examples:
+        >>> scalars({"loss": 0.5, "member_loss": [1.0, 2.0]})
+        {'loss': 0.5, 'member_loss/0': 1.0, 'member_loss/1': 2.0}
+    """
+    flat: dict[str, float] = {}
+    for name, value in values.items():
+        if isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                flat.update(scalars({f"{name}/{index}": item}))
+        elif isinstance(value, int | float):
+            flat[name] = float(value)
+    return flat
+
+
+class JsonlWriter:
+    """One JSON line per record (``{"step": ..., **values, "time": ...}``), flushed as written.
+
+    Each line is on disk when ``write`` returns, so a killed run keeps every record it
+    made; ``start`` drops the lines of steps after a resumed run's checkpoint, and a
+    line cut short by a kill, by rewriting the file atomically.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file: TextIO | None = None
+
+    def start(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            partial = self.path.with_suffix(".jsonl.tmp")
+            partial.write_text("".join(kept))
+            partial.replace(self.path)  # atomic: a kill here keeps one whole file
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
+        self._file.write(json.dumps({"step": step, **values, "time": time.time()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardWriter:
+    """Scalars in a TensorBoard event file under ``logdir`` (needs ``tensorboardX``).
+
+    Install it with ``pip install "meshkit[tensorboard]"``. A resumed run starts its
+    event file with a purge marker at the step after its checkpoint, so TensorBoard
+    hides what an earlier run recorded after that step. Files are created on the first
+    record, so a writer built on every process only writes from process 0.
+
+    Examples:
+        >>> import tempfile
+        >>> writer = TensorBoardWriter(tempfile.mkdtemp())
+        >>> writer.start(0)
+        >>> writer.write(10, {"loss": 0.25, "eval/accuracy": 0.9})
+        >>> writer.close()
+    """
+
+    def __init__(self, logdir: str | Path, *, flush_seconds: float = 30.0):
+        self.logdir = Path(logdir)
+        self.flush_seconds = flush_seconds
+        self._start: int | None = None
+        self._writer: Any = None
+
+    def start(self, step: int) -> None:
+        self._start = step
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                raise ImportError(
+                    "TensorBoardWriter needs the tensorboardX package: "
+                    'pip install "meshkit[tensorboard]" (or pip install tensorboardX).'
+                ) from None
+            self._writer = SummaryWriter(
+                str(self.logdir),
+                purge_step=self._start + 1 if self._start else None,
+                flush_secs=int(self.flush_seconds),
+            )
+        for name, value in scalars(values).items():
+            self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandbWriter:
+    """Records in a Weights & Biases run (needs ``wandb``); offline by default.
+
+    Offline runs are written under ``directory`` and uploaded later with ``wandb sync``;
+    pass ``mode="online"`` to stream them. The run is started on the first record, so
+    a writer built on every process only logs from process 0. ``config`` (e.g. a
+    recipe's ``run_config``) is stored with the run.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        project: str = "meshkit",
+        name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        mode: str = "offline",
+    ):
+        self.directory = Path(directory)
+        self.project = project
+        self.name = name
+        self.config = dict(config or {})
+        self.mode = mode
+        self._start = 0
+        self._run: Any = None
+
+    def start(self, step: int) -> None:
+        self._start = step
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._run is None:
+            try:
+                import wandb  # pyright: ignore[reportMissingImports]  # an optional extra
+            except ImportError:
+                raise ImportError(
+                    'WandbWriter needs the wandb package: pip install "meshkit[wandb]" '
+                    "(or pip install wandb)."
+                ) from None
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(
+                project=self.project,
+                name=self.name,
+                dir=str(self.directory),
+                config={**self.config, "resumed_from": self._start or None},
+                mode=self.mode,
+            )
+        self._run.log(scalars(values), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

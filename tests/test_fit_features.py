@@ -1,0 +1,171 @@
+"""fit's writers (metrics.jsonl, TensorBoard, W&B), hooks, learning-rate records and profiling."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import types
+
+import flax.linen as nn
+import jax.numpy as jnp
+import optax
+import pytest
+from tensorboardX.proto import event_pb2
+
+import meshkit
+from meshkit import data, train
+
+BATCH = 64
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
+
+
+def run_fit(workdir, *, num_steps=20, schedule=None, **kwargs):
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    schedule = schedule or optax.linear_schedule(0.1, 0.0, 40)
+    model = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, optax.sgd(schedule, momentum=0.9), mesh)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    return train.fit(
+        state,
+        step,
+        data.TrainPipeline(data.digits("train"), global_batch_size=BATCH, sharding=sharding),
+        num_steps=num_steps,
+        workdir=workdir,
+        eval_pipeline=data.EvalPipeline(
+            data.digits("test"), global_batch_size=BATCH, sharding=sharding
+        ),
+        log_every=5,
+        progress=False,
+        learning_rate=schedule,
+        **kwargs,
+    )
+
+
+def read_events(logdir):
+    """Every event in ``logdir``'s event files, read from the TFRecord framing directly."""
+    events = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        raw = path.read_bytes()
+        offset = 0
+        while offset < len(raw):
+            (length,) = struct.unpack("<Q", raw[offset : offset + 8])
+            events.append(event_pb2.Event.FromString(raw[offset + 12 : offset + 12 + length]))
+            offset += 12 + length + 4  # length, its CRC, the record, its CRC
+    return events
+
+
+def scalars(events):
+    return {
+        (value.tag, event.step): value.simple_value
+        for event in events
+        for value in event.summary.value
+    }
+
+
+def test_records_reach_jsonl_and_tensorboard_with_learning_rate_and_throughput(tmp_path):
+    seen = []
+    result = run_fit(
+        tmp_path,
+        eval_every=10,
+        writers=[train.TensorBoardWriter(tmp_path / "tb")],
+        hooks=[seen.append],
+    )
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    training = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in training] == [5, 10, 15, 20]
+    # the rate of each record's last step: linear from 0.1 to 0 over 40 updates
+    assert [round(line["learning_rate"], 6) for line in training] == [0.09, 0.0775, 0.065, 0.0525]
+    assert "steps_per_second" not in training[0]  # the first record includes compilation
+    assert all(
+        line["steps_per_second"] > 0 and 0 <= line["input_wait"] <= 1 for line in training[1:]
+    )
+
+    tensorboard = scalars(read_events(tmp_path / "tb"))
+    for line in lines:
+        for name, value in line.items():
+            if name not in {"step", "time"}:
+                assert tensorboard[(name, line["step"])] == pytest.approx(value, rel=1e-6)
+    assert tensorboard[("eval/accuracy", 20)] == pytest.approx(result.eval_metrics["accuracy"])
+
+    kinds = [(boundary.kind, boundary.step) for boundary in seen]
+    assert kinds == [
+        ("log", 5),
+        ("log", 10),
+        ("eval", 10),
+        ("log", 15),
+        ("log", 20),
+        ("checkpoint", 20),
+        ("eval", 20),
+    ]
+    assert seen[2].metrics["accuracy"] == pytest.approx(lines[2]["eval/accuracy"])
+
+
+def test_a_resumed_run_hides_the_steps_an_earlier_run_recorded_after_its_checkpoint(tmp_path):
+    run_fit(
+        tmp_path, num_steps=15, checkpoint_every=10, writers=[train.TensorBoardWriter(tmp_path)]
+    )
+    (tmp_path / "checkpoints" / "15").rename(tmp_path / "15.elsewhere")  # as if killed at 15
+    run_fit(
+        tmp_path, num_steps=20, checkpoint_every=10, writers=[train.TensorBoardWriter(tmp_path)]
+    )
+    events = read_events(tmp_path)
+    restarts = [event.step for event in events if event.HasField("session_log")]
+    assert restarts == [11]  # TensorBoard drops the first run's events from step 11 on
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == sorted(steps) and steps.count(15) == 1
+
+
+def test_early_stopping_saves_and_stops_at_the_next_step(tmp_path):
+    stop = train.EarlyStopping("loss", kind="log", mode="min", patience=1, min_delta=10.0)
+    result = run_fit(tmp_path, num_steps=40, hooks=[stop])
+    # The first record sets the best; the second (step 10) cannot improve by 10: stop.
+    # Records are read once the step has left the queue, so the stop comes at most
+    # max_in_flight + 1 steps later, with a checkpoint of the step it stops at.
+    assert result.stopped_early and not result.preempted
+    assert 10 < result.step <= 11 + result.max_in_flight
+    assert train.Checkpointer(tmp_path / "checkpoints", save_every=100).latest_step() == result.step
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    run_fit(tmp_path, num_steps=6, profile_steps=(3, 2))
+    traces = list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
+    with pytest.raises(ValueError, match=r"profile_steps must be \(first_step, count\).*got 3"):
+        run_fit(tmp_path / "bad", profile_steps=3)  # pyright: ignore[reportArgumentType]
+
+
+def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()  # pyright: ignore[reportAttributeAccessIssue]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    writer = train.WandbWriter(tmp_path / "wandb", config={"seed": 0})
+    writer.start(10)
+    writer.write(15, {"loss": 0.5, "member_loss": [1.0, 2.0]})
+    writer.close()
+    init = calls[0][1]
+    assert init["mode"] == "offline" and init["dir"] == str(tmp_path / "wandb")
+    assert init["config"] == {"seed": 0, "resumed_from": 10}
+    assert calls[1:] == [
+        ("log", 15, {"loss": 0.5, "member_loss/0": 1.0, "member_loss/1": 2.0}),
+        ("finish",),
+    ]
