@@ -32,12 +32,13 @@ def recipe_parser(
 
 
 def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool = True) -> None:
-    """Adds the options of a training recipe: precision, schedule, micro-batches.
+    """Adds the options of a training recipe: precision, schedule, micro-batches, records.
 
     ``--precision`` (``f32``, ``bf16``, ``f16``; ``f16`` only with ``microbatches``,
     the data-parallel step's loss scaling), ``--lr-schedule`` (``constant`` or
     ``cosine``, decaying to 0 at the last step), ``--warmup-steps`` (a linear ramp from
-    0), and with ``microbatches``, ``--microbatches``.
+    0), ``--tensorboard``, ``--profile-steps FIRST,COUNT``, and with ``microbatches``,
+    ``--microbatches``.
     """
     parser.add_argument(
         "--precision",
@@ -48,6 +49,17 @@ def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool 
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
     parser.add_argument(
         "--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up"
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write the records to a TensorBoard event file in <workdir>/tensorboard",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        metavar="FIRST,COUNT",
+        help="a jax.profiler trace of COUNT steps from step FIRST in <workdir>/profile",
     )
     if microbatches:
         parser.add_argument(
@@ -79,3 +91,26 @@ def learning_rate_schedule(args: argparse.Namespace) -> Any:
     constant = optax.constant_schedule(args.learning_rate)
     warmup = optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps)
     return optax.join_schedules([warmup, constant], [args.warmup_steps])
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``"10,5"`` as ``(10, 5)``: the first step and the step count."""
+    try:
+        first, count = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected FIRST,COUNT (two integers, e.g. 10,5), got {text!r}"
+        ) from None
+    return first, count
+
+
+def fit_options(args: argparse.Namespace, schedule: Any) -> dict[str, Any]:
+    """``fit`` keyword arguments from the training options: writers, schedule, profile."""
+    from meshkit import train
+
+    writers = [train.TensorBoardWriter(args.workdir / "tensorboard")] if args.tensorboard else []
+    return {
+        "writers": writers,
+        "learning_rate": schedule,
+        "profile_steps": args.profile_steps,
+    }

@@ -17,6 +17,12 @@ Other runs::
     python -m recipes.data_parallel --dataset cifar10 --model cifar_net --data-dir ~/cifar
     python -m recipes.data_parallel --dataset mnist --data-dir ~/mnist --steps 2000
     python -m recipes.data_parallel --mesh data=4,model=2 --rules fsdp
+    python -m recipes.data_parallel --precision bf16 --microbatches 4 --tensorboard
+    python -m recipes.data_parallel --lr-schedule cosine --warmup-steps 20 --profile-steps 50,5
+
+The bfloat16 run with 4 micro-batches also reaches a test accuracy above 0.95; its
+workdir holds a TensorBoard event file (``tensorboard/``), ``config.json`` (every
+argument, the mesh, the devices and the package versions) and ``summary.json``.
 
 Rerunning with the same ``--workdir`` resumes from its last checkpoint. A SIGTERM saves
 and exits with code 75. On several processes the script is unchanged:
@@ -33,7 +39,12 @@ import sys
 from pathlib import Path
 
 import meshkit
-from recipes._args import add_training_options, learning_rate_schedule, recipe_parser
+from recipes._args import (
+    add_training_options,
+    fit_options,
+    learning_rate_schedule,
+    recipe_parser,
+)
 
 DATASETS = {"digits", "mnist", "fashion_mnist", "cifar10"}
 IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": (8, 8, 1)}
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         transform=None if test_source[0]["image"].dtype != np.uint8 else to_float,
     )
     model = train.linen_model(MODELS[args.model](), jnp.zeros((1, *train_source[0]["image"].shape)))
-    tx = optax.sgd(learning_rate_schedule(args), momentum=args.momentum)
+    schedule = learning_rate_schedule(args)
+    tx = optax.sgd(schedule, momentum=args.momentum)
     state = train.create_train_state(
         model, tx, mesh, rules=rules, seed=args.seed, precision=args.precision
     )
@@ -149,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
+        **fit_options(args, schedule),
     )
     summary = {
         "model": args.model,

@@ -22,6 +22,7 @@ Other runs::
     python -m recipes.ensemble --mesh ensemble=4,data=2        # each batch over 2 devices
     python -m recipes.ensemble --same-batches                  # the HOWTO's shared batches
     python -m recipes.ensemble --dataset mnist --data-dir ~/mnist --steps 2000
+    python -m recipes.ensemble --precision bf16 --lr-schedule cosine --tensorboard
 
 The HOWTO's settings are the defaults: SGD with learning rate 0.1 and momentum 0.9,
 batch size 32. Each member visits the training set in its own order (more diverse
@@ -40,7 +41,12 @@ import sys
 from pathlib import Path
 
 import meshkit
-from recipes._args import add_training_options, learning_rate_schedule, recipe_parser
+from recipes._args import (
+    add_training_options,
+    fit_options,
+    learning_rate_schedule,
+    recipe_parser,
+)
 
 HYPERPARAMETERS = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
 HYPERPARAMETERS += ("precision", "seed", "same_batches")
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         test_source, global_batch_size=max(args.batch_size, 128), sharding=layout.batch_sharding
     )
     model = train.linen_model(MnistCNN(), jnp.zeros((1, *train_source[0]["image"].shape)))
-    tx = optax.sgd(learning_rate_schedule(args), momentum=args.momentum)
+    schedule = learning_rate_schedule(args)
+    tx = optax.sgd(schedule, momentum=args.momentum)
     state = ensemble.create_ensemble_state(
         model, tx, layout, seed=args.seed, precision=args.precision
     )
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         per_example_fn=ensemble.ensemble_metrics(layout),
         checkpoint_every=args.checkpoint_every or args.steps,
         progress=not args.no_progress,
+        **fit_options(args, schedule),
     )
     summary = summarize(args, layout, result)
     if jax.process_index() == 0:

@@ -47,6 +47,24 @@ def test_data_parallel_default_run_reaches_95_percent(tmp_path):
 
 
 @pytest.mark.multiprocess  # runs once
+def test_data_parallel_bf16_micro_batches_and_tensorboard_reach_95_percent(tmp_path):
+    stdout = run_recipe(
+        "recipes.data_parallel",
+        *("--precision", "bf16", "--microbatches", "4", "--tensorboard"),
+        *("--no-progress", "--workdir", str(tmp_path)),
+    )
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] >= 0.95 and summary["train_step_compiles"] == 1
+    assert summary["hyperparameters"]["precision"] == "bf16"
+    assert summary["hyperparameters"]["microbatches"] == 4
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["arguments"]["precision"] == "bf16" and config["mesh"] == {"data": 8}
+    assert config["devices"]["count"] == 8 and config["versions"]["jax"]
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 1000
+
+
+@pytest.mark.multiprocess  # runs once
 @pytest.mark.parametrize(
     ("dataset", "model", "write"),
     [

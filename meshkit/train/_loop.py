@@ -45,7 +45,7 @@ class FitResult:
       state: the final train state.
       step: the number of steps taken in all (including those before a resume).
       resumed_from: the checkpoint step the run resumed from, or ``None``.
-      preempted: whether a SIGTERM stopped the run early (after saving).
+      preempted: whether a SIGTERM or a first Ctrl-C stopped the run early (after saving).
       stopped_early: whether a hook stopped the run early (after saving).
       train_metrics: the means of the train step's metrics over the last log interval.
       eval_metrics: the last evaluation (``count`` plus metric means), or ``{}``.
@@ -106,7 +106,8 @@ def fit(
     saved with it, or a file is missing) is moved aside with a warning and the newest
     intact one is used (``Checkpointer.resume``); a save that fails in the background
     (a full disk) stops training at the next step with ``CheckpointSaveError``. A
-    SIGTERM saves at the next step boundary and returns with ``preempted=True``.
+    SIGTERM, or a first Ctrl-C, saves at the next step boundary and returns with
+    ``preempted=True``; a second Ctrl-C stops at once.
 
     Args:
       state: the initial train state, placed on the mesh (from ``create_train_state``);
