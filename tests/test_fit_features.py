@@ -58,7 +58,8 @@ def read_events(logdir):
         offset = 0
         while offset < len(raw):
             (length,) = struct.unpack("<Q", raw[offset : offset + 8])
-            events.append(event_pb2.Event.FromString(raw[offset + 12 : offset + 12 + length]))
+            record = raw[offset + 12 : offset + 12 + length]
+            events.append(event_pb2.Event.FromString(record))  # pyright: ignore[reportAttributeAccessIssue]
             offset += 12 + length + 4  # length, its CRC, the record, its CRC
     return events
 
