@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
+
+from meshkit._paths import as_path
 
 
 def recipe_parser(
@@ -19,7 +20,12 @@ def recipe_parser(
     """
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     if workdir is not None:
-        parser.add_argument("--workdir", type=Path, default=Path(workdir))
+        parser.add_argument(
+            "--workdir",
+            type=as_path,
+            default=as_path(workdir),
+            help="a local folder or an object-store URI such as gs://bucket/run",
+        )
     parser.add_argument(
         "--cpu-devices",
         type=int,

@@ -6,16 +6,16 @@ import contextlib
 import dataclasses
 import errno
 import json
-import shutil
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
+from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
 from meshkit.train._digest import tree_digest
 from meshkit.train._orbax_errors import (
@@ -38,7 +38,7 @@ class CheckpointDamagedError(RuntimeError):
       damage: what is wrong, in a few words.
     """
 
-    def __init__(self, message: str, *, step: int, folder: Path, damage: str, agreed: bool):
+    def __init__(self, message: str, *, step: int, folder: epath.Path, damage: str, agreed: bool):
         super().__init__(message)
         self.step = step
         self.folder = folder
@@ -64,7 +64,7 @@ class Restored:
     step: int
     state: Any
     data: dict[str, Any]
-    set_aside: tuple[Path, ...] = ()
+    set_aside: tuple[epath.Path, ...] = ()
 
 
 def abstract_like(state: Any) -> Any:
@@ -91,7 +91,7 @@ def _everywhere(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _has_digest(folder: Path) -> bool:
+def _has_digest(folder: epath.Path) -> bool:
     """Whether the checkpoint in ``folder`` was saved with a digest (an older one was not).
 
     Orbax's step metadata lists the items saved, so a digest folder deleted later
@@ -139,10 +139,10 @@ class Checkpointer:
         >>> checkpointer.close()
     """
 
-    def __init__(self, directory: str | Path, *, save_every: int, keep: int = 3):
+    def __init__(self, directory: PathLike, *, save_every: int, keep: int = 3):
         if save_every < 1 or keep < 1:
             raise ValueError(f"save_every and keep must be >= 1, got {save_every} and {keep}.")
-        self.directory = Path(directory).absolute()
+        self.directory = as_path(directory)
         self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
@@ -218,7 +218,8 @@ class Checkpointer:
                 write.result(timeout=60)
         partial = sorted(self.directory.glob(f"{step}{_TMP_SUFFIX}*"))
         for path in partial:
-            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                path.rmtree()
         system = os_error(error)
         full = system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
         self._manager.reload()
@@ -342,7 +343,7 @@ class Checkpointer:
             ) from newest
         return None
 
-    def _set_aside(self, step: int) -> Path:
+    def _set_aside(self, step: int) -> epath.Path:
         """Moves step ``step``'s folder to ``<step>.damaged`` (process 0 moves, all wait)."""
         folder = self.directory / str(step)
         aside, n = folder.with_name(f"{step}.damaged"), 1

@@ -8,11 +8,13 @@ import json
 import platform
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
+from etils import epath
 from jax.sharding import Mesh
+
+from meshkit._paths import PathLike, as_path
 
 PACKAGES = ("meshkit", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 """The packages whose versions a run's ``config.json`` records."""
@@ -68,12 +70,12 @@ def run_config(arguments: Mapping[str, Any] | argparse.Namespace, mesh: Mesh) ->
     }
 
 
-def write_run_config(workdir: str | Path, config: Mapping[str, Any]) -> Path:
+def write_run_config(workdir: PathLike, config: Mapping[str, Any]) -> epath.Path:
     """Writes ``config`` as ``<workdir>/config.json`` (on process 0); returns the path.
 
     A resumed run writes it again: the file describes the latest start.
     """
-    path = Path(workdir) / "config.json"
+    path = as_path(workdir) / "config.json"
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".json.tmp")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -14,6 +13,7 @@ from tqdm import tqdm
 
 from meshkit._compiles import count_compiles
 from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._paths import PathLike, as_path
 from meshkit._types import Batch, Metrics, PerExampleFn
 from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
 from meshkit.evaluate import full_eval
@@ -75,7 +75,7 @@ def fit(
     pipeline: TrainPipeline,
     *,
     num_steps: int,
-    workdir: str | Path,
+    workdir: PathLike,
     eval_pipeline: EvalPipeline | None = None,
     eval_every: int | None = None,
     per_example_fn: PerExampleFn = classification_metrics,
@@ -88,6 +88,7 @@ def fit(
     hooks: Sequence[Hook] = (),
     learning_rate: LearningRate | None = None,
     profile_steps: tuple[int, int] | None = None,
+    checkpoint_dir: PathLike | None = None,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
 
@@ -117,7 +118,8 @@ def fit(
         program with the metric sums, and donates the state when the step does.
       pipeline: the training data.
       num_steps: total steps, counted from the start of the run (not of this resume).
-      workdir: where checkpoints and ``metrics.jsonl`` go.
+      workdir: where checkpoints, ``metrics.jsonl`` and profiles go: a local folder
+        or an object-store URI (``gs://bucket/run``; see ``etils.epath``).
       eval_pipeline: evaluated every ``eval_every`` steps and at the end.
       eval_every: evaluation period in steps (default: only at the end).
       per_example_fn: per-example metrics for evaluation.
@@ -136,6 +138,7 @@ def fit(
         ``learning_rate`` in each training record.
       profile_steps: ``(first_step, count)``: a ``jax.profiler`` trace of those
         steps in ``workdir/profile/process_<i>``.
+      checkpoint_dir: where checkpoints go instead of ``workdir/checkpoints``.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
@@ -151,10 +154,12 @@ def fit(
     window: InFlight[_Queued] = InFlight(
         default_max_in_flight(mesh) if max_in_flight is None else max_in_flight
     )
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(
-        workdir / "checkpoints", save_every=checkpoint_every, keep=keep_checkpoints
+        workdir / "checkpoints" if checkpoint_dir is None else checkpoint_dir,
+        save_every=checkpoint_every,
+        keep=keep_checkpoints,
     )
     resumed = checkpointer.resume(abstract_like(state))  # the newest intact checkpoint
     resumed_from = data_state = None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
+from etils import epath
 
 from meshkit._checks import check_int
 
@@ -20,7 +20,7 @@ class StepProfiler:
     resume point, after ``num_steps``) are simply not traced.
     """
 
-    def __init__(self, steps: tuple[int, int] | None, directory: Path):
+    def __init__(self, steps: tuple[int, int] | None, directory: epath.Path):
         self.first = self.last = 0
         if steps is not None:
             if not isinstance(steps, tuple | list) or len(steps) != 2:

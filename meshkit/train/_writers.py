@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Protocol, TextIO, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
+
+from meshkit._paths import PathLike, as_path, is_remote
 
 
 @runtime_checkable
@@ -59,38 +60,59 @@ def scalars(values: Mapping[str, Any]) -> dict[str, float]:
 
 
 class JsonlWriter:
-    """One JSON line per record (``{"step": ..., **values, "time": ...}``), flushed as written.
+    """One JSON line per record (``{"step": ..., **values, "time": ...}``).
 
-    Each line is on disk when ``write`` returns, so a killed run keeps every record it
-    made; ``start`` drops the lines of steps after a resumed run's checkpoint, and a
-    line cut short by a kill, by rewriting the file atomically.
+    On a local disk each line is appended and flushed as written, so a killed run keeps
+    every record it made. An object store (``gs://``...) cannot append, so there the
+    file is rewritten whole every ``flush_seconds`` and at ``close``: a kill loses at
+    most that much. ``start`` drops the lines of steps after a resumed run's
+    checkpoint, and a line cut short by a kill, by rewriting the file atomically.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._file: TextIO | None = None
+    def __init__(self, path: PathLike, *, flush_seconds: float = 30.0):
+        self.path = as_path(path)
+        self.remote = is_remote(path)
+        self.flush_seconds = flush_seconds
+        self._file: IO[str] | None = None
+        self._lines: list[str] = []  # an object store's whole file
+        self._flushed = time.monotonic()
 
     def start(self, step: int) -> None:
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) <= step]
+        self._lines = kept
         if len(kept) < len(lines):
-            partial = self.path.with_suffix(".jsonl.tmp")
-            partial.write_text("".join(kept))
-            partial.replace(self.path)  # atomic: a kill here keeps one whole file
+            self._rewrite()
+        if not self.remote:
+            self._lines = []  # appended to the file from now on
+
+    def _rewrite(self) -> None:
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text("".join(self._lines))
+        partial.replace(self.path)  # atomic on a disk: a kill here keeps one whole file
+        self._flushed = time.monotonic()
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
+        line = json.dumps({"step": step, **values, "time": time.time()}) + "\n"
+        if self.remote:
+            self._lines.append(line)
+            if time.monotonic() - self._flushed >= self.flush_seconds:
+                self._rewrite()
+            return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
-        self._file.write(json.dumps({"step": step, **values, "time": time.time()}) + "\n")
+        self._file.write(line)
         self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.remote and self._lines:
+            self._rewrite()
 
 
 class TensorBoardWriter:
@@ -109,8 +131,8 @@ class TensorBoardWriter:
         >>> writer.close()
     """
 
-    def __init__(self, logdir: str | Path, *, flush_seconds: float = 30.0):
-        self.logdir = Path(logdir)
+    def __init__(self, logdir: PathLike, *, flush_seconds: float = 30.0):
+        self.logdir = as_path(logdir)
         self.flush_seconds = flush_seconds
         self._start: int | None = None
         self._writer: Any = None
@@ -152,14 +174,14 @@ class WandbWriter:
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: PathLike,
         *,
         project: str = "meshkit",
         name: str | None = None,
         config: Mapping[str, Any] | None = None,
         mode: str = "offline",
     ):
-        self.directory = Path(directory)
+        self.directory = as_path(directory)
         self.project = project
         self.name = name
         self.config = dict(config or {})

@@ -1,0 +1,37 @@
+"""Paths that may live on an object store: ``gs://``, ``s3://`` and local alike."""
+
+from __future__ import annotations
+
+import os
+
+from etils import epath
+
+PathLike = str | os.PathLike[str]
+"""A local path, a ``pathlib.Path``, an ``epath.Path`` or a ``gs://``-style string."""
+
+
+def is_remote(path: PathLike) -> bool:
+    """Whether ``path`` names an object store (``gs://``, ``s3://``...) rather than a disk.
+
+    Examples:
+        >>> is_remote("gs://bucket/run"), is_remote("/tmp/run"), is_remote("runs/a")
+        (True, False, False)
+    """
+    return "://" in os.fspath(path)
+
+
+def as_path(path: PathLike) -> epath.Path:
+    """``path`` as an ``epath.Path``: local paths made absolute, object-store URIs kept.
+
+    ``pathlib.Path("gs://bucket/run")`` collapses the ``//`` and ``.absolute()`` then
+    makes it a local folder; ``epath`` keeps the URI and reads and writes it through
+    the store's client (``gcsfs`` for ``gs://``, ``s3fs`` for ``s3://``).
+
+    Examples:
+        >>> str(as_path("gs://bucket/run") / "checkpoints")
+        'gs://bucket/run/checkpoints'
+        >>> as_path("runs/a").is_absolute()
+        True
+    """
+    result = epath.Path(path)
+    return result if is_remote(path) else result.absolute()
