@@ -148,7 +148,7 @@ def check_state(pipeline: TrainPipeline | EvalPipeline, state: Mapping[str, Any]
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, TrainPipeline
         >>> sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
-        >>> pipeline = TrainPipeline(ArraySource({"x": np.arange(8.0)}), global_batch_size=4,
+        >>> pipeline = TrainPipeline(ArraySource({"x": np.arange(16.0)}), global_batch_size=8,
         ...                          sharding=sharding, shuffle=False)
         >>> saved = {"step": 1, **pipeline.state_fields(), "shuffle": True}
         >>> try:
