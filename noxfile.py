@@ -16,7 +16,7 @@ def tests(session: nox.Session) -> None:
     """The tests at 1 and at 8 fake CPU devices (docstring examples at 8), then the
     multi-process tests and those that start a recipe of their own."""
     session.install("-e", ".[test]")
-    args = session.posargs
+    args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     session.run(
         "pytest", "tests", "-m", "not multiprocess", *args, env={"MESHKIT_TEST_DEVICES": "1"}
     )
