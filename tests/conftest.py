@@ -23,9 +23,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "devices(n): needs at least n JAX devices; skipped otherwise"
     )
+    config.addinivalue_line(
+        "markers",
+        "once: the result does not depend on the device count; runs in the 8-device pass "
+        "only (``nox -s tests`` runs the suite at 1 and at 8)",
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marker = item.get_closest_marker("devices")
     if marker is not None and jax.device_count() < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} devices, have {jax.device_count()}")
+    if item.get_closest_marker("once") is not None and jax.device_count() < 8:
+        pytest.skip("device-count independent: runs in the 8-device pass")

@@ -45,6 +45,8 @@ from meshkit.testing import (
     write_pickle,
 )
 
+pytestmark = pytest.mark.once  # file readers and sources: no devices involved
+
 REPO = Path(__file__).resolve().parents[1]
 
 

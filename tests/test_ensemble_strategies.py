@@ -14,6 +14,9 @@ import meshkit
 from meshkit import data, ensemble, train
 from meshkit.models import NormCNN
 
+# vmap and loop agree; the 8-device pass has several members per device too
+pytestmark = pytest.mark.once
+
 BATCH = 32
 STEPS = 3
 TX = optax.sgd(0.1, momentum=0.9)

@@ -16,6 +16,9 @@ from tensorboardX.proto import event_pb2
 import meshkit
 from meshkit import data, train
 
+# writers, hooks and profiles; fit's device behaviour is tested elsewhere
+pytestmark = pytest.mark.once
+
 BATCH = 64
 
 

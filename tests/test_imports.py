@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import meshkit
+
+pytestmark = pytest.mark.once  # import structure
 
 ROOT = Path(meshkit.__file__).parent
 

@@ -22,6 +22,8 @@ import meshkit
 from meshkit import data, train
 from meshkit._paths import as_path
 
+pytestmark = pytest.mark.once  # paths and writers; fit's device behaviour is tested elsewhere
+
 
 class Linear(nn.Module):
     @nn.compact

@@ -14,6 +14,8 @@ import pytest
 import meshkit
 from meshkit import data, train
 
+pytestmark = pytest.mark.once  # signal handling: no devices involved
+
 
 def interrupt() -> None:
     """A Ctrl-C: SIGINT to this process, handled before the next line runs."""

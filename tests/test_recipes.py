@@ -51,8 +51,8 @@ def test_data_parallel_bf16_micro_batches_and_tensorboard_reach_95_percent(tmp_p
     stdout = run_recipe(
         "recipes.data_parallel",
         *("--precision", "bf16", "--microbatches", "4", "--tensorboard"),
-        *("--no-progress", "--workdir", str(tmp_path)),
-    )
+        *("--steps", "100", "--no-progress", "--workdir", str(tmp_path)),
+    )  # 100 steps (0.975): CPUs emulate bfloat16; the 200-step run gives 0.986
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["test_accuracy"] >= 0.95 and summary["train_step_compiles"] == 1
     assert summary["hyperparameters"]["precision"] == "bf16"
