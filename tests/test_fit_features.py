@@ -8,6 +8,7 @@ import sys
 import types
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -29,7 +30,7 @@ class MLP(nn.Module):
 
 
 def run_fit(workdir, *, num_steps=20, schedule=None, **kwargs):
-    mesh = meshkit.make_mesh("data=-1")
+    mesh = meshkit.make_mesh("data=1", devices=jax.devices()[:1])  # the features, not the mesh
     sharding = meshkit.batch_sharding(mesh)
     schedule = schedule or optax.linear_schedule(0.1, 0.0, 40)
     model = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
