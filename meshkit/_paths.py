@@ -35,3 +35,14 @@ def as_path(path: PathLike) -> epath.Path:
     """
     result = epath.Path(path)
     return result if is_remote(path) else result.absolute()
+
+
+def write_text_atomically(path: epath.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary sibling and a rename.
+
+    On a disk the rename is atomic: a kill leaves the old file or the new one, never
+    part of one.
+    """
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)

@@ -76,6 +76,14 @@ def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool 
         )
 
 
+def hyperparameters(args: argparse.Namespace, *recipe_specific: str) -> dict[str, Any]:
+    """The settings that decide what is learned, for ``summary.json``: the training
+    options every recipe shares, the seed, and the ``recipe_specific`` names."""
+    names = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
+    names += ("microbatches", "precision", "seed", *recipe_specific)
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
 def learning_rate_schedule(args: argparse.Namespace) -> Any:
     """The ``optax`` schedule of ``--learning-rate``, ``--lr-schedule`` and ``--warmup-steps``.
 

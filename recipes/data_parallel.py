@@ -42,6 +42,7 @@ import meshkit
 from recipes._args import (
     add_training_options,
     fit_options,
+    hyperparameters,
     learning_rate_schedule,
     recipe_parser,
 )
@@ -67,13 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     add_training_options(parser)
     return parser.parse_args(argv)
-
-
-def hyperparameters(args: argparse.Namespace) -> dict:
-    """The settings that decide what is learned, for ``summary.json``."""
-    names = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
-    names += ("microbatches", "precision", "seed", "rules")
-    return {name: getattr(args, name) for name in names}
 
 
 def load_data(args: argparse.Namespace, image_shape: tuple[int, int, int] | None):
@@ -168,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": args.dataset,
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
-        "hyperparameters": hyperparameters(args),
+        "hyperparameters": hyperparameters(args, "rules"),
         "steps": result.step,
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,

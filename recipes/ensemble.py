@@ -44,13 +44,10 @@ import meshkit
 from recipes._args import (
     add_training_options,
     fit_options,
+    hyperparameters,
     learning_rate_schedule,
     recipe_parser,
 )
-
-HYPERPARAMETERS = ("learning_rate", "lr_schedule", "warmup_steps", "momentum", "batch_size")
-HYPERPARAMETERS += ("precision", "seed", "same_batches")
-"""The settings that decide what is learned, recorded in ``summary.json``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,7 +181,7 @@ def summarize(args: argparse.Namespace, layout, result) -> dict:
         "same_batches": args.same_batches,
         "dataset": args.dataset,
         "processes": jax.process_count(),
-        "hyperparameters": {name: getattr(args, name) for name in HYPERPARAMETERS},
+        "hyperparameters": hyperparameters(args, "same_batches"),
         "steps": result.step,
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,

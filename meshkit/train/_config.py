@@ -14,7 +14,7 @@ import jax
 from etils import epath
 from jax.sharding import Mesh
 
-from meshkit._paths import PathLike, as_path
+from meshkit._paths import PathLike, as_path, write_text_atomically
 
 PACKAGES = ("meshkit", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 """The packages whose versions a run's ``config.json`` records."""
@@ -78,7 +78,5 @@ def write_run_config(workdir: PathLike, config: Mapping[str, Any]) -> epath.Path
     path = as_path(workdir) / "config.json"
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(config, indent=2) + "\n")
-        partial.replace(path)
+        write_text_atomically(path, json.dumps(config, indent=2) + "\n")
     return path

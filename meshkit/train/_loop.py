@@ -182,14 +182,13 @@ def fit(
     records.start(start)
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
-    loop = _Loop(state, records, evaluator, window, log_every, hooks=hooks)
+    loop = _Loop(state, records, batches, evaluator, window, log_every=log_every, hooks=hooks)
     began = time.perf_counter()
     try:
         with count_compiles() as compiles:
             step = loop.run(
                 train_step,
                 mesh,
-                batches,
                 watcher,
                 checkpointer,
                 profiler=profiler,
@@ -251,14 +250,16 @@ class _Loop:
         self,
         state: TrainState,
         records: Records,
+        batches: GlobalBatchIterator,
         evaluator: _Evaluator | None,
         window: InFlight[_Queued],
-        log_every: int,
         *,
+        log_every: int,
         hooks: Sequence[Hook],
     ):
         self.state = state
         self.records = records
+        self.batches = batches
         self.evaluator = evaluator
         self.window = window
         self.log_every = log_every
@@ -266,7 +267,6 @@ class _Loop:
         self.eval_metrics: dict[str, float] = {}
         self.preempted = False
         self.stop_requested = False  # a hook asked to stop
-        self._input_wait: Callable[[], float] = lambda: 0.0
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
@@ -305,7 +305,6 @@ class _Loop:
         self,
         train_step: Callable[..., Any],
         mesh: Mesh,
-        batches: GlobalBatchIterator,
         watcher: PreemptionWatcher,
         checkpointer: Checkpointer,
         *,
@@ -314,13 +313,12 @@ class _Loop:
         num_steps: int,
     ) -> int:
         """Runs steps ``start + 1 .. num_steps``; returns the last step taken."""
-        self._input_wait = lambda: batches.wait_seconds
         step = start
         step_fn = zeros = interval = None
         for step in range(start + 1, num_steps + 1):
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                batch = next(batches)
+                batch = next(self.batches)
                 if step_fn is None or zeros is None or interval is None:
                     step_fn, interval, zeros = self._first_step(train_step, mesh, batch)
                     jax.block_until_ready(interval)  # the first step includes the compilation
@@ -334,7 +332,7 @@ class _Loop:
             stop = self.preempted or self.stop_requested
             save = last or stop or checkpointer.should_save(step)
             if save or evaluate:
-                self._boundary(step, interval, (checkpointer, batches) if save else None, evaluate)
+                self._boundary(step, interval, checkpointer if save else None, evaluate=evaluate)
                 interval = zeros
                 if stop:
                     break
@@ -355,7 +353,8 @@ class _Loop:
         self,
         step: int,
         interval: Interval,
-        save: tuple[Checkpointer, GlobalBatchIterator] | None,
+        checkpointer: Checkpointer | None,
+        *,
         evaluate: bool,
     ) -> None:
         """Checks every step so far, then saves and/or evaluates the state after ``step``."""
@@ -364,9 +363,8 @@ class _Loop:
         self._settle(_Queued(step, interval, closes_log=True))
         done = time.perf_counter()
         self.elapsed = done - self._first_done - self._paused
-        if save is not None:
-            checkpointer, batches = save
-            checkpointer.save(step, self.state, batches.state(), force=True)
+        if checkpointer is not None:
+            checkpointer.save(step, self.state, self.batches.state(), force=True)
             self._call_hooks("checkpoint", step, {})
         if evaluate:
             self.evaluate(step)
@@ -377,7 +375,9 @@ class _Loop:
         if queued.closes_log:
             assert self._layout is not None
             read = read_interval(self._layout, queued.interval, queued.step)
-            values = self.records.interval(read, paused=self._paused, input_wait=self._input_wait())
+            values = self.records.interval(
+                read, paused=self._paused, input_wait=self.batches.wait_seconds
+            )
             self._call_hooks("log", queued.step, values)
 
     def evaluate(self, step: int) -> None:

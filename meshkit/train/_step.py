@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshkit._batch import leading_dim_shards
 from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
 from meshkit._types import Batch, Metrics
@@ -125,9 +126,9 @@ def _gradients(
 
 def _rows_in_shards(batch: Batch, microbatches: int, sharding: NamedSharding | None) -> None:
     """Trace-time check: the batch splits into equal micro-batches spread over every shard."""
+    shards = 1 if sharding is None else leading_dim_shards(sharding)
     for key, value in batch.items():
         rows = value.shape[0] if value.shape else 0
-        shards = 1 if sharding is None else rows // max(sharding.shard_shape(value.shape)[0], 1)
         if rows % (microbatches * shards):
             raise ValueError(
                 f"Batch field {key!r} has {rows} rows, which do not split into "

@@ -9,12 +9,13 @@ run made after it, so every step is recorded once, by the run that kept it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Mapping
 from typing import IO, Any, Protocol, runtime_checkable
 
-from meshkit._paths import PathLike, as_path, is_remote
+from meshkit._paths import PathLike, as_path, is_remote, write_text_atomically
 
 
 @runtime_checkable
@@ -40,6 +41,17 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return float("inf")
+
+
+def _optional_package(name: str, writer: str, extra: str) -> Any:
+    """The optional package ``name`` a writer needs, or an error naming the extra to install."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ImportError(
+            f'{writer} needs the {name} package: pip install "meshkit[{extra}]" '
+            f"(or pip install {name})."
+        ) from None
 
 
 def scalars(values: Mapping[str, Any]) -> dict[str, float]:
@@ -82,16 +94,13 @@ class JsonlWriter:
             return
         lines = self.path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) <= step]
-        self._lines = kept
+        if self.remote:
+            self._lines = kept  # rewritten whole from now on
         if len(kept) < len(lines):
-            self._rewrite()
-        if not self.remote:
-            self._lines = []  # appended to the file from now on
+            self._rewrite(kept)
 
-    def _rewrite(self) -> None:
-        partial = self.path.with_name(self.path.name + ".tmp")
-        partial.write_text("".join(self._lines))
-        partial.replace(self.path)  # atomic on a disk: a kill here keeps one whole file
+    def _rewrite(self, lines: list[str]) -> None:
+        write_text_atomically(self.path, "".join(lines))
         self._flushed = time.monotonic()
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
@@ -99,7 +108,7 @@ class JsonlWriter:
         if self.remote:
             self._lines.append(line)
             if time.monotonic() - self._flushed >= self.flush_seconds:
-                self._rewrite()
+                self._rewrite(self._lines)
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +121,7 @@ class JsonlWriter:
             self._file.close()
             self._file = None
         if self.remote and self._lines:
-            self._rewrite()
+            self._rewrite(self._lines)
 
 
 class TensorBoardWriter:
@@ -142,14 +151,8 @@ class TensorBoardWriter:
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         if self._writer is None:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise ImportError(
-                    "TensorBoardWriter needs the tensorboardX package: "
-                    'pip install "meshkit[tensorboard]" (or pip install tensorboardX).'
-                ) from None
-            self._writer = SummaryWriter(
+            tensorboardx = _optional_package("tensorboardX", "TensorBoardWriter", "tensorboard")
+            self._writer = tensorboardx.SummaryWriter(
                 str(self.logdir),
                 purge_step=self._start + 1 if self._start else None,
                 flush_secs=int(self.flush_seconds),
@@ -194,13 +197,7 @@ class WandbWriter:
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         if self._run is None:
-            try:
-                import wandb  # pyright: ignore[reportMissingImports]  # an optional extra
-            except ImportError:
-                raise ImportError(
-                    'WandbWriter needs the wandb package: pip install "meshkit[wandb]" '
-                    "(or pip install wandb)."
-                ) from None
+            wandb = _optional_package("wandb", "WandbWriter", "wandb")
             self.directory.mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(
                 project=self.project,
