@@ -257,3 +257,57 @@ def test_train_pipeline_refuses_a_source_that_grew():
     source.x.append(40)
     with pytest.raises(ValueError, match=r"TrainPipeline had 40 examples .* has 41 now"):
         p.local_batch(1)
+
+
+class RecordByRecord:
+    """A source without ``getitems``: read one record at a time, like encoded files."""
+
+    def __init__(self, source: ArraySource):
+        self.source = source
+        self.fingerprint = source.fingerprint
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        return self.source[index]
+
+
+def jitter(record, rng):
+    return {"x": record["x"] + rng.normal(), "y": record["y"]}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_per_example_batches_do_not_depend_on_threads_or_read_path(kind):
+    def make(source, num_threads):
+        if kind == "train":
+            return pipeline(source, batch=16, seed=3, transform=jitter, num_threads=num_threads)
+        return EvalPipeline(
+            source,
+            global_batch_size=16,
+            sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
+            transform=lambda record: {"x": record["x"] * 2, "y": record["y"]},
+            num_threads=num_threads,
+        )
+
+    reference = make(make_source(), 0)
+    assert reference.per_example
+    expected = [reference.local_batch(step) for step in range(2, 7)]
+    for source, threads in [(make_source(), 3), (RecordByRecord(make_source()), 2)]:
+        p = make(source, threads)
+        got = list(zip(p.dataset(start_step=2), range(5), strict=False))
+        assert len(got) == 5
+        for want, (batch, _) in zip(expected, got, strict=True):
+            assert sorted(batch) == sorted(want)
+            for key in want:
+                np.testing.assert_array_equal(batch[key], want[key])
+    if isinstance(reference, TrainPipeline):  # the RNG is keyed by the global position
+        epoch_1 = reference.local_batch(reference.steps_per_epoch)
+        rng = np.random.default_rng([3, 1, 1, 0])
+        x = make_source().arrays["x"][reference.global_indices(reference.steps_per_epoch)[0]]
+        assert epoch_1["x"][0] == x + rng.normal()
+    else:  # the padded rows of the last batch, step 6 of 7
+        last = expected[-1]
+        assert last["mask"].tolist() == [True] * 4 + [False] * 12
+        assert last["index"].tolist() == [96, 97, 98, 99] + [-1] * 12

@@ -84,6 +84,10 @@ class _Pipeline:
         self.num_threads = num_threads
         self.prefetch = prefetch
         self.worker_count = worker_count
+        # In-memory arrays without a transform are gathered a whole batch at a time
+        # (one numpy call); anything else is read and transformed one example at a time,
+        # so Grain's threads and workers spread the examples, not only the batches.
+        self.per_example = transform is not None or getattr(source, "getitems", None) is None
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -109,6 +113,24 @@ class _Pipeline:
             )
 
     def local_batch(self, step: int) -> Record:
+        """This process's rows of global batch ``step``."""
+        self._check_source_length()
+        if not self.per_example:
+            return self._gathered_batch(step)
+        size = self.shard.size
+        return stack_records([self.example(step * size + row) for row in range(size)])
+
+    def example(self, position: int) -> Record:
+        """Example ``position`` of this process's stream, read and transformed.
+
+        Position ``p`` is row ``p % shard.size`` of this process's part of global batch
+        ``p // shard.size``; everything random about it is keyed by its global position,
+        so it is the same example, transformed the same way, on any process layout and
+        with any number of threads or workers.
+        """
+        raise NotImplementedError
+
+    def _gathered_batch(self, step: int) -> Record:
         raise NotImplementedError
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
@@ -135,16 +157,37 @@ class _Pipeline:
         return range(start_step, stop)
 
     def _batches(self, steps: range) -> grain.IterDataset:
-        """The batches of ``steps``, built ahead by threads (or worker processes)."""
-        batches = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
+        """The batches of ``steps``, built ahead by threads (or worker processes).
+
+        Per-example pipelines map over examples and batch afterwards: threads read and
+        transform examples in parallel. Grain's worker processes each take whole
+        elements of the dataset they are given, so for them the examples are batched
+        first and every worker builds whole batches (its examples one by one).
+        """
         prefetch = self.prefetch if self.num_threads else 0
-        read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
-        iterable = batches.to_iter_dataset(read)
+        if not self.per_example:
+            elements = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
+            read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
+            return self._in_workers(elements.to_iter_dataset(read))
+        size = self.shard.size
+        examples = grain.MapDataset.range(
+            steps.start * size, min(steps.stop * size, _UNBOUNDED_STEPS)
+        ).map(self.example)
         if self.worker_count > 0:
-            _mark_absl_flags_parsed()
-            options = grain.MultiprocessingOptions(num_workers=self.worker_count)
-            iterable = iterable.mp_prefetch(options)
-        return iterable
+            batches = examples.batch(size, drop_remainder=True, batch_fn=stack_records)
+            read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
+            return self._in_workers(batches.to_iter_dataset(read))
+        read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch * size)
+        return examples.to_iter_dataset(read).batch(
+            size, drop_remainder=True, batch_fn=stack_records
+        )
+
+    def _in_workers(self, iterable: grain.IterDataset) -> grain.IterDataset:
+        if self.worker_count == 0:
+            return iterable
+        _mark_absl_flags_parsed()
+        options = grain.MultiprocessingOptions(num_workers=self.worker_count)
+        return iterable.mp_prefetch(options)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pipelines travel to Grain worker processes without their sharding: devices
@@ -158,8 +201,10 @@ class TrainPipeline(_Pipeline):
     Every epoch visits the examples in a new order, drawn from ``(seed, epoch)`` so
     no two pairs share an order; the ``len(source) % global_batch_size`` examples
     left at the end of an epoch are dropped on every process alike, so every process
-    runs the same number of steps. ``transform`` runs per example, before the rows are
-    split between processes, with an RNG keyed by the example's global position.
+    runs the same number of steps. Each process reads and transforms only its own rows,
+    one example at a time (Grain's threads or workers spread the examples), and
+    ``transform`` gets an RNG keyed by ``(seed, epoch, global position)``: the batches do
+    not depend on the number of processes, threads or workers.
 
     The data state (``state_fields``) records the seed, ``shuffle``, the global batch
     size and the source's fingerprint, so a resume with any of them changed is
@@ -175,8 +220,9 @@ class TrainPipeline(_Pipeline):
       transform: optional ``(record, rng) -> record`` augmentation.
       num_epochs: stop after this many epochs; ``None`` repeats forever.
       shuffle: ``False`` keeps the source order (for debugging and tests).
-      num_threads: threads that build batches ahead of time; by default 0 for in-memory
-        arrays without a transform (a batch is one numpy gather) and 2 otherwise.
+      num_threads: threads that read and transform examples ahead of time; by default
+        0 for in-memory arrays without a transform (a batch is one numpy gather) and 2
+        otherwise.
       prefetch: batches built ahead of time.
       worker_count: Grain worker processes (opt-in; see ``dataset``).
 
@@ -247,19 +293,19 @@ class TrainPipeline(_Pipeline):
         start = within * self.global_batch_size
         return self.epoch_order(epoch)[start : start + self.global_batch_size]
 
-    def local_batch(self, step: int) -> Record:
-        """This process's rows of global batch ``step``."""
+    def _gathered_batch(self, step: int) -> Record:
+        return _fetch(self.source, self.global_indices(step)[self.shard.slice])
+
+    def example(self, position: int) -> Record:
         self._check_source_length()
-        rows = self.global_indices(step)[self.shard.slice]
-        if self.transform is None:
-            return _fetch(self.source, rows)
+        step, row = divmod(position, self.shard.size)
         epoch, within = divmod(step, self.steps_per_epoch)
-        first = within * self.global_batch_size + self.shard.start
-        records = []
-        for offset, index in enumerate(rows):
-            rng = np.random.default_rng([self.seed, _AUGMENT, epoch, first + offset])
-            records.append(self.transform(self.source[int(index)], rng))
-        return stack_records(records)
+        global_position = within * self.global_batch_size + self.shard.start + row
+        record = self.source[int(self.epoch_order(epoch)[global_position])]
+        if self.transform is None:
+            return record
+        rng = np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
+        return self.transform(record, rng)
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.
@@ -342,24 +388,32 @@ class EvalPipeline(_Pipeline):
         record = self.source[index]
         return record if self.transform is None else self.transform(record)
 
-    def local_batch(self, step: int) -> Record:
-        """This process's rows of global batch ``step``, with ``mask`` and ``index``."""
-        self._check_source_length()
+    def _gathered_batch(self, step: int) -> Record:
         positions = step * self.global_batch_size + np.arange(self.shard.start, self.shard.stop)
         valid = positions < self.num_examples
-        if self.transform is None and valid.any():  # the real rows in one read
+        if valid.any():  # the real rows in one read
             batch, _ = pad_rows(_fetch(self.source, positions[valid]), len(positions))
         else:
-            padding = {key: np.zeros_like(value) for key, value in self._template.items()}
-            batch = stack_records(
-                [
-                    self._record(int(p)) if ok else padding
-                    for p, ok in zip(positions, valid, strict=True)
-                ]
-            )
+            batch = {
+                key: np.zeros((len(positions), *np.shape(value)), np.asarray(value).dtype)
+                for key, value in self._template.items()
+            }
         batch["mask"] = valid
         batch["index"] = np.where(valid, positions, -1).astype(np.int64)
         return batch
+
+    def example(self, position: int) -> Record:
+        self._check_source_length()
+        step, row = divmod(position, self.shard.size)
+        index = step * self.global_batch_size + self.shard.start + row
+        valid = index < self.num_examples
+        if valid:
+            record = dict(self._record(index))
+        else:
+            record = {key: np.zeros_like(value) for key, value in self._template.items()}
+        record["mask"] = np.asarray(valid)
+        record["index"] = np.asarray(index if valid else -1, np.int64)
+        return record
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's padded batches, ``num_steps`` of them."""
