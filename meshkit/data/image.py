@@ -1,0 +1,687 @@
+"""Image operations for input pipelines: decode, crop, flip, normalise (numpy + Pillow).
+
+Every random operation takes a ``np.random.Generator`` and draws from it in a fixed
+order, so the pipeline's per-example generator (seeded by the example's global
+position) makes augmentation exact and independent of the process layout.
+``train_transform`` and ``eval_transform`` assemble the usual classification
+transforms as small frozen dataclasses: they pickle, so Grain worker processes can run
+them.
+
+Images are ``uint8`` arrays of shape ``(height, width, channels)``; sizes are an
+``int`` (a square) or a ``(height, width)`` pair.
+
+Examples:
+    >>> import numpy as np
+    >>> from meshkit.data import image
+    >>> rng = np.random.default_rng(0)
+    >>> pixels = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    >>> transform = image.train_transform(32, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD)
+    >>> out = transform({"image": image.encode(pixels), "label": np.int64(3)}, rng)
+    >>> out["image"].shape, out["image"].dtype, out["label"].dtype
+    ((32, 32, 3), dtype('float32'), dtype('int32'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from meshkit.data._source import Record
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "EvalTransform",
+    "TrainTransform",
+    "center_crop",
+    "decode",
+    "decode_and_random_crop",
+    "encode",
+    "eval_transform",
+    "horizontal_flip",
+    "normalize",
+    "random_crop",
+    "random_crop_box",
+    "random_resized_crop",
+    "resize",
+    "train_transform",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+"""ImageNet's per-channel (RGB) mean, for pixel values scaled to [0, 1]."""
+IMAGENET_STD = (0.229, 0.224, 0.225)
+"""ImageNet's per-channel (RGB) standard deviation, for pixel values scaled to [0, 1]."""
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+"""CIFAR-10 training set's per-channel (RGB) mean, for pixel values scaled to [0, 1]."""
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+"""CIFAR-10 training set's per-channel (RGB) standard deviation, values in [0, 1]."""
+
+Size = int | tuple[int, int]
+"""An output size: ``int`` for a square, or ``(height, width)``."""
+Resample = Literal["bilinear", "bicubic"]
+Encoded = bytes | np.ndarray
+"""An encoded file: ``bytes``, or as read from a record, ``np.bytes_`` or a 1-D uint8 array."""
+Box = tuple[int, int, int, int]
+"""A crop box ``(top, left, height, width)`` in pixels."""
+
+_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+_DECODE_FORMATS = ("JPEG", "PNG")
+_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _hw(size: Size, *, name: str = "size") -> tuple[int, int]:
+    """``size`` as ``(height, width)`` of positive ints."""
+    pair = (size, size) if isinstance(size, int | np.integer) else size
+    if (
+        not isinstance(pair, tuple | list)
+        or len(pair) != 2
+        or not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in pair)
+        or min(pair) < 1
+    ):
+        raise ValueError(
+            f"{name} must be a positive int or a (height, width) pair of positive ints, "
+            f"got {size!r}."
+        )
+    return int(pair[0]), int(pair[1])
+
+
+def _range(
+    value: tuple[float, float], *, name: str, upper: float = math.inf
+) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a (low, high) pair of numbers, got {value!r}.") from None
+    if not 0 < low <= high <= upper:
+        bound = "" if upper == math.inf else f" <= {upper}"
+        raise ValueError(f"{name} must satisfy 0 < low <= high{bound}, got {value!r}.")
+    return low, high
+
+
+def _check_image(image: Any, *, name: str = "image") -> np.ndarray:
+    """``image`` as a ``(height, width, channels)`` array (a 2-D one gains a channel axis)."""
+    array = np.asarray(image)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or min(array.shape[:2]) < 1:
+        raise ValueError(
+            f"{name} must be an array of shape (height, width, channels) or (height, width), "
+            f"got shape {np.shape(image)}."
+        )
+    return array
+
+
+def _check_resample(resample: str) -> Image.Resampling:
+    if resample not in _RESAMPLE:
+        raise ValueError(f"resample must be one of {sorted(_RESAMPLE)}, got {resample!r}.")
+    return _RESAMPLE[resample]
+
+
+# ------------------------------------------------------------------ decode / encode
+
+
+def decode(data: Encoded, *, channels: int | None = 3) -> np.ndarray:
+    """Decodes JPEG or PNG bytes into a ``uint8`` array of shape ``(height, width, channels)``.
+
+    Args:
+        data: The encoded file's bytes.
+        channels: 3 converts any image (grayscale, palette, RGBA, CMYK) to RGB, 1 to
+            grayscale, 4 to RGBA; ``None`` keeps grayscale, RGB and RGBA as stored and
+            converts other modes to RGB.
+
+    Raises:
+        ValueError: ``data`` is not a complete JPEG or PNG file; the message says what
+            the bytes start with. Callers add the record's index.
+
+    Examples:
+        >>> pixels = np.arange(24, dtype=np.uint8).reshape(2, 4, 3)
+        >>> np.array_equal(decode(encode(pixels, format="png")), pixels)
+        True
+    """
+    with _open(data, channels) as img:
+        return _to_array(img, channels)
+
+
+def _open(data: Any, channels: int | None) -> Image.Image:
+    if channels is not None and channels not in _MODES:
+        raise ValueError(f"channels must be 1, 3, 4 or None, got {channels!r}.")
+    raw = _as_bytes(data)
+    try:
+        return Image.open(io.BytesIO(raw), formats=_DECODE_FORMATS)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise _decode_error(raw, error) from None
+
+
+def _to_array(img: Image.Image, channels: int | None) -> np.ndarray:
+    array = np.asarray(_loaded(img, channels))
+    return array[:, :, None] if array.ndim == 2 else array
+
+
+def _loaded(img: Image.Image, channels: int | None) -> Image.Image:
+    """``img`` decoded, in the mode for ``channels``."""
+    if channels is not None:
+        mode = _MODES[channels]
+    elif img.mode in ("L", "RGB", "RGBA"):
+        mode = img.mode
+    else:
+        mode = "RGBA" if img.mode in ("LA", "PA") or "transparency" in img.info else "RGB"
+    try:
+        img.load()
+        return img if img.mode == mode else img.convert(mode)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise _decode_error(None, error) from None
+
+
+def _as_bytes(data: Any) -> bytes:
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data)
+    array = np.asarray(data)
+    if array.dtype.kind == "S" or (array.dtype == object and array.ndim == 0):
+        return bytes(array.item())
+    if array.dtype == np.uint8 and array.ndim == 1:
+        return array.tobytes()
+    raise ValueError(
+        f"Expected encoded image bytes (bytes, np.bytes_ or a 1-D uint8 buffer), got "
+        f"{type(data).__name__} with shape {np.shape(data)} and dtype {array.dtype}. Pass "
+        "decoded images as (height, width, channels) uint8 arrays to the array operations."
+    )
+
+
+def _decode_error(raw: bytes | None, error: BaseException) -> ValueError:
+    start = "" if raw is None else f" ({len(raw)} bytes, starting {raw[:8]!r})"
+    return ValueError(
+        f"Could not decode image bytes{start}: expected a complete JPEG or PNG file "
+        f"({type(error).__name__}: {error}). Check that the field holds the encoded file, "
+        "not raw pixels or a truncated copy."
+    )
+
+
+def encode(
+    image: np.ndarray, *, format: Literal["jpeg", "png"] = "jpeg", quality: int = 90
+) -> bytes:
+    """Encodes a ``uint8`` image as JPEG (lossy, ``quality`` 1-95) or PNG (lossless).
+
+    Examples:
+        >>> data = encode(np.zeros((8, 8, 3), np.uint8))
+        >>> data[:2], decode(data).shape
+        (b'\\xff\\xd8', (8, 8, 3))
+    """
+    array = _check_image(image)
+    if array.dtype != np.uint8:
+        raise ValueError(f"encode expects a uint8 image, got dtype {array.dtype}.")
+    fmt = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG"}.get(str(format).lower())
+    if fmt is None:
+        raise ValueError(f"format must be 'jpeg' or 'png', got {format!r}.")
+    if not 1 <= quality <= 100:
+        raise ValueError(f"quality must be in [1, 100], got {quality!r}.")
+    channels = array.shape[2]
+    if channels not in _MODES or (fmt == "JPEG" and channels == 4):
+        allowed = "1 or 3" if fmt == "JPEG" else "1, 3 or 4"
+        raise ValueError(f"{fmt} images need {allowed} channels, got {channels}.")
+    buffer = io.BytesIO()
+    options = {"quality": int(quality)} if fmt == "JPEG" else {}
+    _pil(array).save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------- geometry
+
+
+def _pil(array: np.ndarray) -> Image.Image:
+    return Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
+
+
+def _resize_box(
+    array: np.ndarray,
+    box: tuple[float, float, float, float],
+    out_hw: tuple[int, int],
+    resample: Image.Resampling,
+) -> np.ndarray:
+    """The ``(top, left, height, width)`` region of ``array`` resized to ``out_hw``."""
+    top, left, height, width = box
+    if (height, width) == out_hw and float(top).is_integer() and float(left).is_integer():
+        top, left = int(top), int(left)
+        return array[top : top + out_hw[0], left : left + out_hw[1]]
+    if array.dtype != np.uint8:
+        raise ValueError(f"resizing expects a uint8 image, got dtype {array.dtype}.")
+    return _resize_pil(_pil(array), box, out_hw, resample)
+
+
+def _resize_pil(
+    img: Image.Image,
+    box: tuple[float, float, float, float],
+    out_hw: tuple[int, int],
+    resample: Image.Resampling,
+) -> np.ndarray:
+    top, left, height, width = box
+    pil_box = (left, top, left + width, top + height)
+    out = np.asarray(img.resize((out_hw[1], out_hw[0]), resample, box=pil_box))
+    return out[:, :, None] if out.ndim == 2 else out
+
+
+def resize(image: np.ndarray, size: Size, *, resample: Resample = "bilinear") -> np.ndarray:
+    """Resizes a ``uint8`` image to ``size`` (antialiased when shrinking).
+
+    Examples:
+        >>> resize(np.zeros((10, 20, 3), np.uint8), (5, 8)).shape
+        (5, 8, 3)
+    """
+    array = _check_image(image)
+    height, width = array.shape[:2]
+    return _resize_box(array, (0, 0, height, width), _hw(size), _check_resample(resample))
+
+
+def random_crop_box(
+    height: int,
+    width: int,
+    rng: np.random.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+) -> Box:
+    """An Inception-style random crop box ``(top, left, height, width)``.
+
+    Each attempt draws an area fraction uniformly from ``scale`` and an aspect ratio
+    (width / height) log-uniformly from ``ratio``; the first box that fits is placed
+    uniformly at random. If none fits, the box is the largest centred one whose aspect
+    ratio lies in ``ratio``. The draws depend only on the image's size and ``rng``.
+
+    Examples:
+        >>> top, left, h, w = random_crop_box(100, 200, np.random.default_rng(0))
+        >>> 0 <= top <= 100 - h and 0 <= left <= 200 - w
+        True
+    """
+    low, high = _range(scale, name="scale")
+    log_ratio = np.log(_range(ratio, name="ratio"))
+    area = height * width
+    for _ in range(attempts):
+        target = area * rng.uniform(low, high)
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < h <= height and 0 < w <= width:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return top, left, h, w
+    aspect = width / height
+    min_ratio, max_ratio = math.exp(log_ratio[0]), math.exp(log_ratio[1])
+    h, w = height, width
+    if aspect < min_ratio:
+        h = max(1, round(width / min_ratio))
+    elif aspect > max_ratio:
+        w = max(1, round(height * max_ratio))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def random_resized_crop(
+    image: np.ndarray,
+    size: Size,
+    rng: np.random.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+    resample: Resample = "bilinear",
+) -> np.ndarray:
+    """A random crop (``random_crop_box``) resized to ``size``, in one resampling pass.
+
+    Examples:
+        >>> pixels = np.zeros((64, 48, 3), np.uint8)
+        >>> random_resized_crop(pixels, 32, np.random.default_rng(0)).shape
+        (32, 32, 3)
+    """
+    array = _check_image(image)
+    out_hw, method = _hw(size), _check_resample(resample)
+    height, width = array.shape[:2]
+    box = random_crop_box(height, width, rng, scale=scale, ratio=ratio, attempts=attempts)
+    return _resize_box(array, box, out_hw, method)
+
+
+def decode_and_random_crop(
+    data: Encoded,
+    size: Size,
+    rng: np.random.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+    resample: Resample = "bilinear",
+    channels: int | None = 3,
+) -> np.ndarray:
+    """``random_resized_crop(decode(data), ...)`` without resampling the full image twice.
+
+    The crop box is drawn from the file's header size (the same draws as
+    ``random_resized_crop`` on the decoded image). A JPEG whose crop shrinks by 2× or
+    more is decoded at reduced scale (Pillow's ``draft``: libjpeg scales in the DCT,
+    by 1/2, 1/4 or 1/8), so less is decoded and resampled; the result then differs
+    slightly from the full-scale path. PNGs are decoded in full.
+
+    Raises:
+        ValueError: ``data`` is not a JPEG or PNG file (see ``decode``).
+
+    Examples:
+        >>> data = encode(np.zeros((600, 400, 3), np.uint8))
+        >>> decode_and_random_crop(data, 64, np.random.default_rng(0)).shape
+        (64, 64, 3)
+    """
+    out_hw, method = _hw(size), _check_resample(resample)
+    with _open(data, channels) as img:
+        width, height = img.size
+        top, left, h, w = random_crop_box(
+            height, width, rng, scale=scale, ratio=ratio, attempts=attempts
+        )
+        if img.format == "JPEG":
+            shrink = min(h / out_hw[0], w / out_hw[1])
+            if shrink >= 2:
+                mode = _MODES[channels] if channels in (1, 3) else img.mode
+                img.draft(mode, (math.ceil(width / shrink), math.ceil(height / shrink)))
+        fy, fx = img.size[1] / height, img.size[0] / width
+        box = (top * fy, left * fx, h * fy, w * fx)
+        if (fy, fx, h, w) == (1, 1, *out_hw):  # nothing to resample: slice
+            return _to_array(img, channels)[top : top + h, left : left + w]
+        return _resize_pil(_loaded(img, channels), box, out_hw, method)
+
+
+def random_crop(
+    image: np.ndarray, size: Size, rng: np.random.Generator, *, padding: int = 0
+) -> np.ndarray:
+    """A ``size`` crop at a uniformly random place of the image zero-padded by ``padding``.
+
+    With ``padding=4`` and ``size=32`` on 32×32 images, the standard CIFAR augmentation.
+
+    Examples:
+        >>> random_crop(np.ones((32, 32, 3), np.uint8), 32, np.random.default_rng(0),
+        ...             padding=4).shape
+        (32, 32, 3)
+    """
+    array = _check_image(image)
+    out_h, out_w = _hw(size)
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0, got {padding!r}.")
+    height, width = array.shape[0] + 2 * padding, array.shape[1] + 2 * padding
+    if out_h > height or out_w > width:
+        raise ValueError(
+            f"random_crop of size {(out_h, out_w)} does not fit in the image of shape "
+            f"{array.shape[:2]} padded by {padding}; pass a smaller size or more padding."
+        )
+    top = int(rng.integers(0, height - out_h + 1))
+    left = int(rng.integers(0, width - out_w + 1))
+    if padding:
+        array = np.pad(array, ((padding, padding), (padding, padding), (0, 0)))
+    return array[top : top + out_h, left : left + out_w]
+
+
+def center_crop(
+    image: np.ndarray,
+    size: Size,
+    *,
+    crop_fraction: float = 0.875,
+    resample: Resample = "bilinear",
+) -> np.ndarray:
+    """The usual evaluation crop: resize the shorter side to ``size / crop_fraction``,
+    then take the central ``size``, in one resampling pass.
+
+    Equivalently, the central region of ``crop_fraction`` times the shorter side (of
+    ``size``'s aspect ratio) is resized to ``size``; an image whose central region
+    already has that size is sliced, not resampled (``crop_fraction=1`` keeps an image
+    of size ``size`` as it is).
+
+    Examples:
+        >>> pixels = np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3)
+        >>> np.array_equal(center_crop(pixels, 56), pixels[4:60, 4:60])
+        True
+    """
+    array = _check_image(image)
+    out_h, out_w = _hw(size)
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
+    height, width = array.shape[:2]
+    # The resize factor that maps the shorter side to (shorter output side) / crop_fraction.
+    factor = min(out_h, out_w) / crop_fraction / min(height, width)
+    h, w = min(out_h / factor, height), min(out_w / factor, width)
+    box = ((height - h) / 2, (width - w) / 2, h, w)
+    return _resize_box(array, box, (out_h, out_w), _check_resample(resample))
+
+
+def horizontal_flip(image: np.ndarray, rng: np.random.Generator, p: float = 0.5) -> np.ndarray:
+    """``image[:, ::-1]`` with probability ``p``, else ``image``; always one draw from ``rng``.
+
+    Examples:
+        >>> pixels = np.arange(6, dtype=np.uint8).reshape(1, 3, 2)
+        >>> horizontal_flip(pixels, np.random.default_rng(0), p=1.0)[0, :, 0].tolist()
+        [4, 2, 0]
+    """
+    if not 0 <= p <= 1:
+        raise ValueError(f"p must be a probability in [0, 1], got {p!r}.")
+    array = _check_image(image)
+    return array[:, ::-1] if rng.random() < p else array
+
+
+def normalize(image: np.ndarray, mean: Any, std: Any) -> np.ndarray:
+    """``(image / 255 - mean) / std`` as float32, per channel.
+
+    ``mean`` and ``std`` are in [0, 1] units (``IMAGENET_MEAN``, ``IMAGENET_STD``): a
+    ``uint8`` image is scaled by 1/255 first; a float image is taken as already in
+    [0, 1].
+
+    Examples:
+        >>> normalize(np.full((1, 1, 3), 255, np.uint8), (0.5,) * 3, (0.5,) * 3).tolist()
+        [[[1.0, 1.0, 1.0]]]
+    """
+    array = _check_image(image)
+    mean32, std32 = _stats(mean, std, array.shape[2])
+    unit = 1 / 255 if array.dtype == np.uint8 else 1.0
+    out = array.astype(np.float32)
+    out *= (unit / std32).astype(np.float32)
+    out -= (mean32 / std32).astype(np.float32)
+    return out
+
+
+def _stats(mean: Any, std: Any, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    mean32 = np.asarray(mean, np.float64).reshape(-1)
+    std32 = np.asarray(std, np.float64).reshape(-1)
+    for name, value in (("mean", mean32), ("std", std32)):
+        if value.size not in (1, channels):
+            raise ValueError(
+                f"{name} has {value.size} values but the image has {channels} channels; "
+                f"pass one value per channel (or one for all), e.g. IMAGENET_MEAN for RGB."
+            )
+    if np.any(std32 <= 0):
+        raise ValueError(f"std must be positive, got {std!r}.")
+    return mean32, std32
+
+
+# --------------------------------------------------------------------- transforms
+
+
+def _image_array(value: Any) -> np.ndarray | None:
+    """A decoded image array, or ``None`` if ``value`` holds encoded bytes."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return None
+    array = np.asarray(value)
+    if array.dtype.kind == "S" or array.dtype == object or array.ndim == 1:
+        return None
+    return _check_image(array)
+
+
+def _label(record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {"label": np.asarray(record["label"], np.int32)} if "label" in record else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainTransform:
+    """The training transform: random crop, horizontal flip, normalise; see ``train_transform``."""
+
+    size: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    padding: int | None = None
+    flip: float = 0.5
+    resample: Resample = "bilinear"
+    channels: int | None = 3
+
+    def __call__(self, record: Mapping[str, Any], rng: np.random.Generator) -> Record:
+        value = record["image"]
+        array = _image_array(value)
+        if self.padding is not None:
+            if array is None:
+                array = decode(value, channels=self.channels)
+            array = random_crop(array, self.size, rng, padding=self.padding)
+        elif array is None:
+            array = decode_and_random_crop(
+                value,
+                self.size,
+                rng,
+                scale=self.scale,
+                ratio=self.ratio,
+                resample=self.resample,
+                channels=self.channels,
+            )
+        else:
+            array = random_resized_crop(
+                array, self.size, rng, scale=self.scale, ratio=self.ratio, resample=self.resample
+            )
+        array = horizontal_flip(array, rng, self.flip)
+        return {**record, "image": normalize(array, self.mean, self.std), **_label(record)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTransform:
+    """The evaluation transform: centre crop, normalise; see ``eval_transform``."""
+
+    size: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    crop_fraction: float = 0.875
+    resample: Resample = "bilinear"
+    channels: int | None = 3
+
+    def __call__(self, record: Mapping[str, Any]) -> Record:
+        value = record["image"]
+        array = _image_array(value)
+        if array is None:
+            array = decode(value, channels=self.channels)
+        array = center_crop(
+            array, self.size, crop_fraction=self.crop_fraction, resample=self.resample
+        )
+        return {**record, "image": normalize(array, self.mean, self.std), **_label(record)}
+
+
+def _floats(values: Any, *, name: str) -> tuple[float, ...]:
+    try:
+        result = tuple(float(v) for v in np.asarray(values, np.float64).reshape(-1))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a sequence of numbers, got {values!r}.") from None
+    if not result:
+        raise ValueError(f"{name} must hold at least one value, got {values!r}.")
+    return result
+
+
+def _check_channels(channels: int | None, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    if channels is not None and channels not in _MODES:
+        raise ValueError(f"channels must be 1, 3, 4 or None, got {channels!r}.")
+    if channels is not None:
+        _stats(mean, std, channels)
+    elif min(std) <= 0:
+        raise ValueError(f"std must be positive, got {std!r}.")
+
+
+def train_transform(
+    size: Size,
+    *,
+    mean: Any,
+    std: Any,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    padding: int | None = None,
+    flip: float = 0.5,
+    resample: Resample = "bilinear",
+    channels: int | None = 3,
+) -> TrainTransform:
+    """The classification training transform, for ``TrainPipeline(transform=...)``.
+
+    Takes a record ``{"image": encoded bytes or uint8 array, "label": ...}`` and returns
+    it with ``"image"`` a float32 ``(height, width, channels)`` array and ``"label"``
+    int32 (other fields pass through). The crop is Inception-style
+    (``random_resized_crop`` with ``scale`` and ``ratio``; JPEG bytes go through
+    ``decode_and_random_crop``), or, with ``padding`` set, the CIFAR-style
+    ``random_crop`` of the image zero-padded by ``padding``. Then a horizontal flip
+    with probability ``flip``, and ``normalize`` with ``mean`` and ``std`` (in [0, 1]
+    units, e.g. ``IMAGENET_MEAN``, ``CIFAR10_MEAN``).
+
+    Bytes are decoded to ``channels`` (see ``decode``); arrays keep their channels.
+    The result is a frozen dataclass: it pickles, so Grain worker processes can run it.
+
+    Examples:
+        >>> import pickle
+        >>> transform = train_transform(32, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4)
+        >>> pickle.loads(pickle.dumps(transform)) == transform
+        True
+    """
+    mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
+    _check_channels(channels, mean_t, std_t)
+    if padding is not None and (isinstance(padding, bool) or padding < 0):
+        raise ValueError(f"padding must be None or an int >= 0, got {padding!r}.")
+    if not 0 <= flip <= 1:
+        raise ValueError(f"flip must be a probability in [0, 1], got {flip!r}.")
+    _check_resample(resample)
+    return TrainTransform(
+        size=_hw(size),
+        mean=mean_t,
+        std=std_t,
+        scale=_range(scale, name="scale"),
+        ratio=_range(ratio, name="ratio"),
+        padding=None if padding is None else int(padding),
+        flip=float(flip),
+        resample=resample,
+        channels=channels,
+    )
+
+
+def eval_transform(
+    size: Size,
+    *,
+    mean: Any,
+    std: Any,
+    crop_fraction: float = 0.875,
+    resample: Resample = "bilinear",
+    channels: int | None = 3,
+) -> EvalTransform:
+    """The classification evaluation transform, for ``EvalPipeline(transform=...)``.
+
+    ``center_crop`` (pass ``crop_fraction=1`` to keep small images such as CIFAR's
+    whole), then ``normalize``; records as in ``train_transform``.
+
+    Examples:
+        >>> transform = eval_transform(32, mean=CIFAR10_MEAN, std=CIFAR10_STD, crop_fraction=1)
+        >>> record = {"image": np.zeros((32, 32, 3), np.uint8), "label": np.int64(1)}
+        >>> transform(record)["image"].shape
+        (32, 32, 3)
+    """
+    mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
+    _check_channels(channels, mean_t, std_t)
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
+    _check_resample(resample)
+    return EvalTransform(
+        size=_hw(size),
+        mean=mean_t,
+        std=std_t,
+        crop_fraction=float(crop_fraction),
+        resample=resample,
+        channels=channels,
+    )
