@@ -25,6 +25,9 @@ from ._source import Record, Source, source_fingerprint
 FORMAT = "meshkit.array_record.v1"
 """The ``format`` entry of every sidecar this module writes."""
 
+IMAGE_RECORDS_FORMAT = "meshkit.image_records.v1"
+"""The ``format`` of encoded image records' sidecars (``meshkit.data.image_records``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
@@ -207,6 +210,15 @@ def _check_unique_fields(path: Path, fields: list[_Field]) -> None:
         )
 
 
+def _format_of(text: str) -> object:
+    """The ``format`` entry of a sidecar, or ``None`` when it has none or is not JSON."""
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        return None
+    return spec.get("format") if isinstance(spec, dict) else None
+
+
 def _parse_sidecar(
     path: Path, text: str
 ) -> tuple[int, list[_Field], tuple[int | None, int | None]]:
@@ -214,6 +226,11 @@ def _parse_sidecar(
 
     Raises a ``ValueError`` naming ``path`` if the sidecar is malformed.
     """
+    if _format_of(text) == IMAGE_RECORDS_FORMAT:
+        raise ValueError(
+            f"{path} describes encoded image records, not fixed-shape examples; open them "
+            "with meshkit.data.image_records(path)."
+        )
     try:
         spec = json.loads(text, object_pairs_hook=_unique_keys)
         count = int(spec["count"])
