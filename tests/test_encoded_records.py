@@ -108,7 +108,9 @@ def test_jpeg_records_round_trip_within_tolerance_and_bytes_are_kept(tmp_path):
 def test_writer_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="Image 1 is 3 bytes starting b'GIF'"):
         write_image_records(tmp_path / "x", [b"\x89PNG\r\n\x1a\n", b"GIF"], [0, 1])
-    with pytest.raises(ValueError, match=r"float32\[4, 4, 3\] as jpeg: expected uint8"):
+    with pytest.raises(
+        ValueError, match=r"Image 0 \(float32\[4, 4, 3\]\) cannot be encoded as jpeg"
+    ):
         write_image_records(tmp_path / "x", np.zeros((1, 4, 4, 3), np.float32), [0])
     with pytest.raises(ValueError, match="label 2 at index 1 is outside the classes"):
         write_image_records(tmp_path / "x", random_images(2), [0, 2], num_classes=2)

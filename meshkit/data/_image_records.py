@@ -18,7 +18,6 @@ encoded in the decoded example; decoding pixels is the per-example transform's j
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -115,29 +114,19 @@ def decode_image_record(data: bytes) -> dict[str, Any]:
     return {"image": image, "label": np.int32(label)}
 
 
-def _encode_pixels(image: np.ndarray, *, format: ImageFormat, quality: int) -> bytes:
-    """The JPEG or PNG bytes of a uint8 ``[H, W]`` or ``[H, W, C]`` image (Pillow)."""
+def _encode_pixels(image: Any, index: int, *, format: ImageFormat, quality: int) -> bytes:
+    """``image.encode`` of a uint8 image, or a ``ValueError`` naming image ``index``."""
+    from . import image as image_ops
+
+    array = np.asarray(image)
     try:
-        from PIL import Image
-    except ImportError as error:
-        raise ImportError(
-            "Encoding images needs Pillow: pip install pillow (or pass already encoded "
-            "JPEG/PNG bytes, which are stored as they are)."
-        ) from error
-    image = np.asarray(image)
-    channels = (1, 3) if format == "jpeg" else (1, 3, 4)
-    if image.ndim == 3 and image.shape[-1] == 1:
-        image = image[..., 0]
-    if image.dtype != np.uint8 or not (image.ndim == 2 or image.shape[-1] in channels[1:]):
+        return image_ops.encode(array, format=format, quality=quality)
+    except ValueError as error:
         raise ValueError(
-            f"Cannot encode an image of {image.dtype}{list(image.shape)} as {format}: expected "
-            f"uint8 [H, W] or [H, W, C] with C in {list(channels)}. Convert floats in [0, 1] "
-            "with (image * 255).round().astype(np.uint8)."
-        )
-    buffer = io.BytesIO()
-    options = {"quality": quality} if format == "jpeg" else {}
-    Image.fromarray(np.ascontiguousarray(image)).save(buffer, format=format.upper(), **options)
-    return buffer.getvalue()
+            f"Image {index} ({array.dtype}{list(array.shape)}) cannot be encoded as {format}: "
+            f"{error} Pass uint8 [H, W] or [H, W, C] pixels (floats in [0, 1]: "
+            "(image * 255).round().astype(np.uint8)) or JPEG/PNG bytes."
+        ) from None
 
 
 def _shard_paths(path: Path, num_shards: int) -> list[Path]:
@@ -250,7 +239,7 @@ def write_image_records(
             uint8 arrays (which may differ in size).
         labels: ``N`` integer class indices.
         format: ``"jpeg"`` or ``"png"`` (lossless), for images given as arrays.
-        quality: JPEG quality, 1 to 95.
+        quality: JPEG quality, 1 to 100 (above 95 grows files for little gain).
         num_shards: Files to spread the records over, in order (near-equal counts).
         num_classes: The number of classes; by default ``len(class_names)``, else the
             largest label plus one.
@@ -276,8 +265,8 @@ def write_image_records(
     if format not in _MAGIC:
         raise ValueError(f"format must be 'jpeg' or 'png'; got {format!r}.")
     quality = check_int(quality, name="quality", minimum=1)
-    if quality > 95:
-        raise ValueError(f"quality must be at most 95 (Pillow's advice); got {quality}.")
+    if quality > 100:
+        raise ValueError(f"quality must be in [1, 100] (JPEG); got {quality}.")
     labels_N = np.asarray(labels)
     if labels_N.ndim != 1 or len(labels_N) != len(images):
         raise ValueError(
@@ -299,7 +288,7 @@ def write_image_records(
                     )
                 yield bytes(image), int(label)
             else:
-                yield _encode_pixels(image, format=format, quality=quality), int(label)
+                yield _encode_pixels(image, index, format=format, quality=quality), int(label)
 
     return _write_image_dataset(
         path,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -15,7 +14,6 @@ from ._digits import digits, resize_bilinear
 from ._image_records import (
     _SUFFIXES,
     ImageFormat,
-    _encode_pixels,
     _write_image_dataset,
     image_format_of,
     write_image_records,
@@ -44,13 +42,17 @@ def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], int]:
     return classes, files, skipped
 
 
-def _reencode(data: bytes, format: ImageFormat, quality: int) -> bytes:
-    from PIL import Image
+def _reencode(data: bytes, file: Path, format: ImageFormat, quality: int) -> bytes:
+    """The image in ``file`` (its bytes ``data``) decoded and encoded again as ``format``."""
+    from . import image as image_ops
 
-    with Image.open(io.BytesIO(data)) as image:
-        mode = image.mode if image.mode in ("L", "RGB") else "RGB"
-        pixels = np.asarray(image.convert(mode))
-    return _encode_pixels(pixels, format=format, quality=quality)
+    try:
+        pixels = image_ops.decode(data, channels=None)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+    if format == "jpeg" and pixels.shape[-1] == 4:
+        pixels = image_ops.decode(data, channels=3)  # JPEG has no alpha channel
+    return image_ops.encode(pixels, format=format, quality=quality)
 
 
 def write_image_folder(
@@ -98,7 +100,7 @@ def write_image_folder(
                     f"{file} is not a JPEG or PNG file (it starts {data[:8]!r}); remove it "
                     "or convert it, then run the conversion again."
                 )
-            yield (data if reencode is None else _reencode(data, reencode, quality)), label
+            yield (data if reencode is None else _reencode(data, file, reencode, quality)), label
 
     return _write_image_dataset(
         path,
