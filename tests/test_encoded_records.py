@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import sys
 from pathlib import Path
 
 import msgpack
@@ -299,3 +300,72 @@ def test_image_records_without_a_sidecar_or_with_another_format(tmp_path):
     (images,) = write_image_records(tmp_path / "i", random_images(2), [0, 1], format="png")
     with pytest.raises(ValueError, match=r"describes encoded image records.*image_records\(path\)"):
         ArrayRecordSource(images)
+
+
+def test_tfds_source_without_the_package_says_what_to_install(monkeypatch):
+    from meshkit.data import TfdsSource
+
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import raises ImportError
+    with pytest.raises(ImportError, match="pip install tensorflow-datasets"):
+        TfdsSource("mnist", split="train")
+
+
+def prepare_tfds_set(tfds, data_dir: Path, images: np.ndarray, labels: list[int]) -> str:
+    """A TFDS data set of PNG images in ArrayRecord files, built without TensorFlow."""
+
+    class MeshkitTinyImages(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            features = {
+                "image": tfds.features.Image(shape=images.shape[1:]),
+                "label": tfds.features.ClassLabel(names=["cat", "dog", "fox"]),
+            }
+            return tfds.core.DatasetInfo(
+                builder=self, features=tfds.features.FeaturesDict(features)
+            )
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+                buffer = io.BytesIO()  # encoded files pass through; arrays would need TF
+                Image.fromarray(image).save(buffer, format="PNG")
+                buffer.seek(0)
+                yield i, {"image": buffer, "label": label}
+
+    builder = MeshkitTinyImages(data_dir=str(data_dir), file_format="array_record")
+    builder.download_and_prepare()
+    return builder.info.full_name
+
+
+def test_tfds_array_record_data_reads_without_tensorflow(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from meshkit.data import TfdsSource
+
+    images, labels = random_images(5, (4, 6, 3)), [2, 0, 1, 1, 0]
+    name = prepare_tfds_set(tfds, tmp_path, images, labels)
+    assert name == "meshkit_tiny_images/1.0.0"
+    # The prepared folder, as if copied from where it was built: no builder class needed
+    # (and none to pickle for Grain's workers).
+    source = TfdsSource(str(tmp_path / name), split="train")
+    assert len(source) == 5 and source.num_classes == 3
+    assert source.class_names == ("cat", "dog", "fox")
+    # TFDS shuffles examples as it writes them: match them up by their pixels.
+    found = sorted(
+        (pixels(source[i]["image"]).tobytes(), int(source[i]["label"])) for i in range(5)
+    )
+    assert found == sorted(zip((image.tobytes() for image in images), labels, strict=True))
+    assert source[0]["label"].dtype == np.int32
+    restored = pickle.loads(pickle.dumps(source))
+    assert restored[3]["image"] == source[3]["image"]
+    assert restored.fingerprint == source.fingerprint
+    decoded = TfdsSource("meshkit_tiny_images", split="train[:2]", data_dir=tmp_path,
+                         decode_images=True)  # fmt: skip
+    assert len(decoded) == 2 and decoded.class_names == source.class_names
+    np.testing.assert_array_equal(decoded[1]["image"], pixels(source[1]["image"]))
+    assert decoded.fingerprint != source.fingerprint
+    assert "tensorflow" not in sys.modules
+    with pytest.raises(FileNotFoundError, match="tfds build absent --file_format=array_record"):
+        TfdsSource("absent", split="train", data_dir=tmp_path)

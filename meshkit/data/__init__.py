@@ -26,3 +26,4 @@ from meshkit.data._source import ArraySource as ArraySource
 from meshkit.data._source import Record as Record
 from meshkit.data._source import Source as Source
 from meshkit.data._source import load_npz as load_npz
+from meshkit.data._tfds import TfdsSource as TfdsSource
