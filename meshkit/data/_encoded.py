@@ -34,13 +34,13 @@ _REWRITE = (
 
 
 def _expand(paths: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The files ``paths`` names, glob patterns expanded (sorted), in the order given."""
+    """The files ``paths`` names (``~`` expanded, glob patterns sorted), in the order given."""
     given = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     if not given:
         raise ValueError("EncodedRecordSource needs at least one path; got an empty list.")
     files: list[Path] = []
     for path in given:
-        text = os.fspath(path)
+        text = os.path.expanduser(os.fspath(path))  # noqa: PTH111 (a pattern, not a Path)
         if _GLOB_CHARACTERS & set(text) and not Path(text).exists():
             matches = sorted(glob.glob(text))  # noqa: PTH207 (absolute patterns)
             if not matches:

@@ -79,10 +79,10 @@ class TfdsSource:
         decode_images: bool = False,
     ):
         tfds = _import_tfds()
-        folder = None if data_dir is None else str(data_dir)
+        folder = None if data_dir is None else str(Path(data_dir).expanduser())
         try:
-            if Path(name).is_dir():  # a prepared version's folder: no builder code needed
-                builder = tfds.builder_from_directory(name)
+            if Path(name).expanduser().is_dir():  # a prepared version: no builder code needed
+                builder = tfds.builder_from_directory(str(Path(name).expanduser()))
             else:
                 builder = tfds.builder(name, data_dir=folder)
             info = builder.info
