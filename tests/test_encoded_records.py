@@ -257,6 +257,25 @@ def test_image_folder_reencodes_only_when_asked_and_names_a_bad_file(tmp_path):
     assert not list(tmp_path.glob("k*"))
 
 
+def test_a_test_folder_missing_a_class_keeps_the_training_indices(tmp_path, capsys):
+    write_folder(tmp_path / "train")
+    (tmp_path / "test" / "zebra").mkdir(parents=True)  # no "ant", no "moth" images
+    Image.fromarray(random_images(1)[0]).save(tmp_path / "test" / "zebra" / "z.png")
+    train = tmp_path / "out" / "train.array_record"
+    test = tmp_path / "out" / "test.array_record"
+    main(["images", "--from-folder", str(tmp_path / "train"), "--out", str(train)])
+    alone = write_image_folder(tmp_path / "test", tmp_path / "alone")[0]
+    assert int(image_records(alone)[0]["label"]) == 0  # sorted folders alone: zebra is 0
+    args = ["--from-folder", str(tmp_path / "test"), "--out", str(test)]
+    assert main(["images", *args, "--class-names-from", str(train)]) == 0
+    records = image_records(test)
+    assert records.class_names == ("ant", "moth", "zebra") and records.num_classes == 3
+    assert len(records) == 1 and int(records[0]["label"]) == 2
+    (tmp_path / "test" / "wolf").mkdir()
+    with pytest.raises(ValueError, match=r"class folders \['wolf'\] that are not among the 3"):
+        write_image_folder(tmp_path / "test", test, class_names=("ant", "moth", "zebra"))
+
+
 def test_digits_images_keep_the_digits_split(tmp_path):
     paths = write_digits_images(tmp_path, size=16, format="png", splits=["test"])
     source = image_records(paths["test"])

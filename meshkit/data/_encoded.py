@@ -126,9 +126,10 @@ class EncodedRecordSource:
         decode: Turns one record's bytes into an example (field name -> array, or
             ``bytes`` for data a transform decodes later). It may raise anything: the
             error is re-raised as a ``ValueError`` naming the record and the file.
-        num_classes: The number of classes of a ``"label"`` field, when known.
+        num_classes: The number of classes of a ``"label"`` field, when known
+            (``len(class_names)`` by default).
         ignore_label: A label value admitted besides the classes.
-        class_names: The name of each class (``len(class_names) == num_classes``).
+        class_names: The name of each class, when known.
 
     Raises:
         FileNotFoundError: A file is missing or a pattern matches nothing.
@@ -168,17 +169,18 @@ class EncodedRecordSource:
             )
         self.paths = tuple(_expand(paths))
         self.decode = decode
+        if class_names is not None:
+            class_names = tuple(str(name) for name in class_names)
+            if num_classes is not None and len(class_names) != num_classes:
+                raise ValueError(
+                    f"{len(class_names)} class_names for num_classes={num_classes}; pass "
+                    "one name per class."
+                )
+            num_classes = len(class_names)
+        self.class_names: tuple[str, ...] | None = class_names
         self.num_classes, self.ignore_label = check_label_options(
             num_classes, ignore_label, where=f"EncodedRecordSource({self.paths[0]})"
         )
-        if class_names is not None:
-            class_names = tuple(str(name) for name in class_names)
-            if self.num_classes is not None and len(class_names) != self.num_classes:
-                raise ValueError(
-                    f"{len(class_names)} class_names for num_classes={self.num_classes}; "
-                    "pass one name per class."
-                )
-        self.class_names: tuple[str, ...] | None = class_names
         counts = [_count_records(path) for path in self.paths]
         self._offsets = np.cumsum([0, *counts])
         if self._offsets[-1] == 0:

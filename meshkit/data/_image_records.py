@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import msgpack
 import numpy as np
 
 from meshkit._checks import check_int
@@ -70,8 +71,6 @@ def encode_image_record(image: bytes, label: int) -> bytes:
         >>> record["image"][:4], int(record["label"]), record["label"].dtype
         (b'\\x89PNG', 7, dtype('int32'))
     """
-    import msgpack
-
     if not isinstance(image, bytes | bytearray | memoryview):
         raise TypeError(
             f"image must be the encoded image's bytes; got {type(image).__name__}. Encode "
@@ -94,8 +93,6 @@ def decode_image_record(data: bytes) -> dict[str, Any]:
         ValueError: ``data`` is not a msgpack map of exactly a binary ``"image"`` and
             an integer ``"label"``.
     """
-    import msgpack
-
     try:
         record = msgpack.unpackb(data, raw=False)
     except Exception as error:  # msgpack raises several types for malformed input

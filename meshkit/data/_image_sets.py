@@ -20,18 +20,30 @@ from ._image_records import (
 )
 
 
-def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]], int]:
-    """Class names (sorted), ``(file, class index)`` pairs, and how many files were skipped."""
+def _scan_folder(
+    root: Path, class_names: Sequence[str] | None
+) -> tuple[list[str], list[tuple[Path, int]], int]:
+    """Class names, ``(file, class index)`` pairs, and how many files were skipped."""
     if not root.is_dir():
         raise FileNotFoundError(f"No folder at {root}; expected root/<class name>/<image files>.")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
         raise ValueError(
             f"{root} has no class folders; expected root/<class name>/*.jpg|*.png (the "
             "ImageNet / ImageFolder layout), one folder per class."
         )
+    classes = folders if class_names is None else [str(name) for name in class_names]
+    unknown = sorted(set(folders) - set(classes))
+    if unknown:
+        raise ValueError(
+            f"{root} has class folders {unknown[:5]} that are not among the {len(classes)} "
+            f"class_names given ({classes[:5]}...). Pass the class names of the split these "
+            "records must agree with (e.g. the training split's), or rename the folders."
+        )
     files, skipped = [], 0
     for label, name in enumerate(classes):
+        if name not in folders:
+            continue  # a class without examples in this split
         for file in sorted((root / name).iterdir()):
             if file.is_file() and file.suffix.lower() in _SUFFIXES:
                 files.append((file, label))
@@ -62,11 +74,13 @@ def write_image_folder(
     num_shards: int = 1,
     reencode: ImageFormat | None = None,
     quality: int = 90,
+    class_names: Sequence[str] | None = None,
 ) -> list[Path]:
     """Converts an image folder (``root/<class name>/*.jpg|*.jpeg|*.png``) to image records.
 
     Class ``i`` is the ``i``-th class folder in sorted name order (the ImageNet and
-    ``ImageFolder`` convention); records follow class order, then sorted file names
+    ``ImageFolder`` convention), or its index in ``class_names``; records follow class
+    order, then sorted file names
     (pipelines shuffle globally, so the order on disk does not matter for training).
     Files are stored as they are, without decoding, unless ``reencode`` is given.
     Other files are skipped and counted in the sidecar's ``skipped_files``; hidden
@@ -79,6 +93,10 @@ def write_image_folder(
         reencode: ``"jpeg"`` or ``"png"`` to decode and re-encode every image (Pillow);
             ``None`` keeps the files' bytes.
         quality: JPEG quality when re-encoding.
+        class_names: The classes in index order, when they must match other records
+            (a test split converted after the training split, whose folder may lack a
+            class): ``image_records(train_path).class_names``. Every class folder must
+            be among them. By default the sorted class folders.
 
     Returns:
         The shard paths.
@@ -89,7 +107,7 @@ def write_image_folder(
             is not a JPEG or PNG file (the message names it).
     """
     root = Path(root)
-    classes, files, skipped = _scan_folder(root)
+    classes, files, skipped = _scan_folder(root, class_names)
     quality = check_int(quality, name="quality", minimum=1)
 
     def items() -> Iterator[tuple[bytes, int]]:

@@ -18,6 +18,12 @@ image records, its files stored as they are::
 
     python -m meshkit.data.convert images --from-folder ~/data/flowers/train \\
         --out ~/data/flowers-ar/train.array_record --shards 4
+    python -m meshkit.data.convert images --from-folder ~/data/flowers/test \\
+        --out ~/data/flowers-ar/test.array_record \\
+        --class-names-from ~/data/flowers-ar/train.array_record
+
+(the second keeps the training split's class indices, even if a class has no test
+images).
 
 CIFAR pickles are read with a restricted unpickler that rebuilds numpy arrays, dicts,
 lists, bytes and numbers only: a file naming any other global is refused before
@@ -36,7 +42,7 @@ from typing import Literal, get_args
 from ._array_record import sidecar_path, write_array_record
 from ._digits import digits
 from ._files import cifar10, cifar100, fashion_mnist, mnist
-from ._image_records import ImageFormat, write_image_records
+from ._image_records import ImageFormat, image_records, write_image_records
 from ._image_sets import to_uint8_images, write_image_folder
 from ._source import ArraySource
 
@@ -213,6 +219,13 @@ def _parser() -> argparse.ArgumentParser:
         help="decode and re-encode every image (default: keep the files as they are)",
     )
     images.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding")
+    images.add_argument(
+        "--class-names-from",
+        type=Path,
+        metavar="RECORDS",
+        help="take the classes and their indices from these image records (e.g. the "
+        "training split's), so that both splits agree even if a class folder is missing",
+    )
     return parser
 
 
@@ -236,12 +249,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.kind == "images":
+            like = args.class_names_from
+            class_names = None if like is None else image_records(like).class_names
+            if like is not None and class_names is None:
+                raise ValueError(f"{like} records no class names; convert it from a folder.")
             paths = write_image_folder(
                 args.from_folder,
                 args.out,
                 num_shards=args.shards,
                 reencode=args.reencode,
                 quality=args.quality,
+                class_names=class_names,
             )
         else:
             paths = convert(
