@@ -201,6 +201,9 @@ def test_pickled_source_reopens_its_files_and_reads_the_same(tmp_path):
     assert restored.fingerprint == source.fingerprint and restored.class_names is None
     assert restored[2]["image"] == first["image"] and restored[2]["label"] == 2
     assert len(pickle.dumps(source)) < 2000  # paths and counts, no reader or record bytes
+    local = EncodedRecordSource(path, decode=lambda data: {"raw": data})
+    with pytest.raises(TypeError, match=r"decode .*<lambda> cannot be pickled .* module level"):
+        pickle.dumps(local)
 
 
 def test_fingerprint_follows_the_data(tmp_path):

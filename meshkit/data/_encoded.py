@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,19 @@ class EncodedRecordSource:
         classes = f", {self.num_classes} classes" if self.num_classes is not None else ""
         return f"EncodedRecordSource({files}, {len(self)} records{classes}, decode={decode})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The source for a Grain worker process; refuses a ``decode`` that cannot travel."""
+        try:
+            pickle.dumps(self.decode)
+        except Exception as error:  # pickling fails with several types
+            raise TypeError(
+                f"EncodedRecordSource cannot be sent to worker processes: its decode "
+                f"{_callable_name(self.decode)} cannot be pickled ({_reason(error)}). "
+                "Define decode as a function at module level (not a lambda or a nested "
+                "function), or use threads (worker_count=0)."
+            ) from None
+        return self.__dict__
+
     @property
     def fingerprint(self) -> str:
         """A hash of the files' names, record counts and bytes, and of ``decode``'s name.
@@ -258,8 +272,8 @@ class EncodedRecordSource:
             raise ValueError(
                 f"{self._locate(key)} cannot be decoded by {_callable_name(self.decode)} "
                 f"({_reason(error)}; the record has {len(data)} bytes, starting "
-                f"{data[:16]!r}). Check that decode matches how the file was written, "
-                f"or write the record again. {_REWRITE}"
+                f"{data[:16]!r}). Check that decode matches how the file was written; if "
+                f"it does, the record is damaged. {_REWRITE}"
             ) from None
         if not isinstance(example, dict):
             raise ValueError(

@@ -96,7 +96,8 @@ def decode_image_record(data: bytes) -> dict[str, Any]:
     try:
         record = msgpack.unpackb(data, raw=False)
     except Exception as error:  # msgpack raises several types for malformed input
-        raise ValueError(f"not a msgpack image record ({type(error).__name__}: {error})") from None
+        reason = f"{type(error).__name__}: {error}".rstrip(": ")
+        raise ValueError(f"not a msgpack image record ({reason})") from None
     if not isinstance(record, dict) or set(record) != {"image", "label"}:
         found = sorted(map(str, record)) if isinstance(record, dict) else type(record).__name__
         raise ValueError(
