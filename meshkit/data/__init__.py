@@ -26,4 +26,7 @@ from meshkit.data._source import ArraySource as ArraySource
 from meshkit.data._source import Record as Record
 from meshkit.data._source import Source as Source
 from meshkit.data._source import load_npz as load_npz
+from meshkit.data._text import decode_bytes as decode_bytes
+from meshkit.data._text import reference_text as reference_text
+from meshkit.data._text import text_windows as text_windows
 from meshkit.data._tfds import TfdsSource as TfdsSource

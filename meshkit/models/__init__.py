@@ -10,6 +10,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from meshkit.models._transformer import Transformer as Transformer
+
 
 class MnistCNN(nn.Module):
     """The Flax ensembling HOWTO's MNIST CNN: two 3×3 convolutions, two dense layers.
