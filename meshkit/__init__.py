@@ -17,6 +17,7 @@ from meshkit._host import replicate as replicate
 from meshkit._host import to_host as to_host
 from meshkit._inflight import InFlight as InFlight
 from meshkit._inflight import default_max_in_flight as default_max_in_flight
+from meshkit._logical import logical_axes as logical_axes
 from meshkit._mesh import DATA_AXIS as DATA_AXIS
 from meshkit._mesh import DEFAULT_AXIS_TYPE as DEFAULT_AXIS_TYPE
 from meshkit._mesh import make_mesh as make_mesh

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from meshkit._logical import Names, leaf_names
 from meshkit._pytree import path_str
 
 
@@ -88,7 +89,13 @@ def _spec_str(sharding: Sharding | None) -> str:
     return type(sharding).__name__
 
 
-def _describe_tree(tree: Any, shardings: Any | None, show_mesh: bool) -> str:
+def _names_str(names: Names | None) -> str:
+    return "-" if names is None else "(" + ", ".join(map(repr, names)) + ")"
+
+
+def _describe_tree(tree: Any, shardings: Any | None, names: Any | None, show_mesh: bool) -> str:
+    tree, leaf_logical = leaf_names(tree, names)
+    show_logical = any(n is not None for n in leaf_logical)
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if shardings is None:
         leaf_shardings = [_leaf_sharding(leaf) for _, leaf in leaves]
@@ -102,7 +109,7 @@ def _describe_tree(tree: Any, shardings: Any | None, show_mesh: bool) -> str:
     rows = []
     total = per_device = 0
     meshes = []
-    for (path, leaf), sharding in zip(leaves, leaf_shardings, strict=True):
+    for (path, leaf), sharding, logical in zip(leaves, leaf_shardings, leaf_logical, strict=True):
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf))
         nbytes = math.prod(shape) * dtype.itemsize
@@ -119,12 +126,14 @@ def _describe_tree(tree: Any, shardings: Any | None, show_mesh: bool) -> str:
                 path_str(path) or "<root>",
                 str(shape),
                 dtype.name,
+                *((_names_str(logical),) if show_logical else ()),
                 _spec_str(sharding),
                 "-" if shard_bytes is None else format_bytes(shard_bytes),
                 format_bytes(nbytes),
             )
         )
-    header = ("path", "shape", "dtype", "spec", "per device", "global")
+    header = ("path", "shape", "dtype", *(("logical",) if show_logical else ()), "spec")
+    header += ("per device", "global")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def fmt(row: tuple[str, ...]) -> str:
@@ -138,7 +147,9 @@ def _describe_tree(tree: Any, shardings: Any | None, show_mesh: bool) -> str:
     return "\n".join(lines)
 
 
-def describe(tree: Any, shardings: Any | None = None, *, show_mesh: bool = True) -> str:
+def describe(
+    tree: Any, shardings: Any | None = None, *, names: Any | None = None, show_mesh: bool = True
+) -> str:
     """A readable report of a mesh, or of the shardings of every leaf of a pytree.
 
     For a pytree, each leaf gets its path, shape, dtype, ``PartitionSpec``, bytes per
@@ -148,10 +159,15 @@ def describe(tree: Any, shardings: Any | None = None, *, show_mesh: bool = True)
     ``jax.eval_shape`` and ``infer_shardings``), so a layout can be checked before
     anything is allocated.
 
+    Leaves with logical axis names get them in a ``logical`` column beside their
+    spec: names read from flax linen boxes or NNX variables in ``tree``, or given as
+    ``names`` (``meshkit.logical_axes``; for a train state, ``state.logical_axes()``).
+
     Args:
       tree: a ``jax.sharding.Mesh`` or a pytree.
       shardings: optional pytree of shardings matching ``tree``; by default each
         leaf's own ``.sharding`` is used.
+      names: optional pytree of logical names (a tuple or ``None`` per leaf).
       show_mesh: whether a pytree's report starts with its mesh(es).
 
     Returns:
@@ -163,9 +179,14 @@ def describe(tree: Any, shardings: Any | None = None, *, show_mesh: bool = True)
         >>> tree = meshkit.replicate({"w": np.zeros((4, 4), np.float32)}, mesh)
         >>> print(describe(tree).splitlines()[-1])
         1 leaves: 64 B in all, 64 B per device
+        >>> report = describe(tree, names={"w": ("embed", "mlp")}, show_mesh=False)
+        >>> print(report.splitlines()[2])
+        w     (4, 4)  float32  ('embed', 'mlp')  P()   64 B        64 B
     """
     if isinstance(tree, Mesh):
-        if shardings is not None:
-            raise ValueError("describe(mesh) takes no shardings; pass a pytree to see shardings.")
+        if shardings is not None or names is not None:
+            raise ValueError(
+                "describe(mesh) takes no shardings or names; pass a pytree to see shardings."
+            )
         return _describe_mesh(tree)
-    return _describe_tree(tree, shardings, show_mesh)
+    return _describe_tree(tree, shardings, names, show_mesh)

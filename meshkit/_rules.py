@@ -1,4 +1,4 @@
-"""Partition rules: ordered (regex -> PartitionSpec) lists that shard a parameter tree."""
+"""Partition rules: ordered (regex -> rule) lists, and logical axis tables, that shard a tree."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshkit._logical import (
+    LogicalTable,
+    LogicalTableLike,
+    Names,
+    assign,
+    leaf_names,
+    logical_table,
+    table_axis_names,
+    unbox,
+)
 from meshkit._mesh import DATA_AXIS, check_axis_names
 from meshkit._pytree import path_str
 from meshkit._specs import entry_axis_names, spec_axis_names
@@ -56,9 +66,11 @@ class Placement:
     Attributes:
       path: the leaf's path, keys joined by ``/`` (``params/Dense_0/kernel``).
       shape: the leaf's shape.
-      pattern: the regex that matched, or ``None`` when the default applied.
+      pattern: the regex that matched, or ``None`` when no regex did.
       spec: the ``PartitionSpec`` the leaf gets.
       dropped: one message per mesh axis the rule asked for but that could not apply.
+      logical: the leaf's logical axis names when the logical table placed it, else
+        ``None`` (``pattern`` and ``logical`` both ``None``: the default placed it).
     """
 
     path: str
@@ -66,17 +78,40 @@ class Placement:
     pattern: str | None
     spec: PartitionSpec
     dropped: tuple[str, ...] = ()
+    logical: Names | None = None
 
 
 class PartitionRules:
-    """An ordered list of ``(regex, rule)`` pairs; for each leaf the first match wins.
+    """How a tree is sharded: ordered regex rules, a logical axis table, and a default.
 
-    A regex is searched (``re.search``) in the leaf's path, whose keys are joined by
-    ``/``, e.g. ``params/Dense_0/kernel``. A rule is a ``PartitionSpec`` (shorter
-    specs are padded with ``None``; trailing ``None``s are dropped from the result)
-    or an ``FSDP`` rule. Leaves that no rule matches get ``default`` (replicated
-    unless you say otherwise). Mesh axes that do not
-    divide a dimension are dropped for that leaf and reported.
+    For each leaf, in this order of precedence:
+
+    1. **Regex rules**, ``(regex, rule)`` pairs where the first match wins. A regex is
+       searched (``re.search``) in the leaf's path, whose keys are joined by ``/``,
+       e.g. ``params/Dense_0/kernel``. A rule is a ``PartitionSpec`` (shorter specs are
+       padded with ``None``; trailing ``None``s are dropped from the result) or an
+       ``FSDP`` rule.
+    2. **The logical table** (``logical``), for a leaf that carries logical axis names
+       (flax's ``nn.with_logical_partitioning``, ``nn.with_partitioning`` or NNX's
+       ``nnx.with_partitioning``): each name maps to a mesh axis, a tuple of mesh axes,
+       or ``None`` (replicated). Every name a leaf carries must be in the table. Two
+       names asking for the same mesh axis: the table's earlier entry gets it and the
+       other dimension stays unsharded (reported). Without a table, names are ignored.
+    3. **The default** (replicated unless you say otherwise; ``FSDP()`` for FSDP).
+
+    Mesh axes that do not divide a dimension are dropped for that leaf and reported,
+    whichever of the three placed it.
+
+    The table is a dict ``{"embed": "data", "mlp": ("model",)}`` or MaxText-style
+    ``(name, axes)`` pairs, where a name may appear more than once: the first of its
+    entries whose mesh axes the leaf's spec does not use yet applies. The same table
+    resolves ``nn.with_logical_constraint`` on activations inside train and eval steps
+    (see ``meshkit.train.create_train_state``).
+
+    Args:
+      rules: ``(regex, rule)`` pairs, first match wins.
+      logical: the logical table, or ``None`` to ignore logical names.
+      default: the rule for leaves nothing else placed.
 
     Examples:
         >>> from jax.sharding import PartitionSpec as P
@@ -90,9 +125,21 @@ class PartitionRules:
           'kernel' -> FSDP(axis='data', min_size=1024)
           default -> P()
         )
+        >>> print(PartitionRules(logical=[("embed", "data"), ("mlp", ["model"])]))
+        PartitionRules(
+          logical 'embed' -> 'data'
+          logical 'mlp' -> 'model'
+          default -> P()
+        )
     """
 
-    def __init__(self, rules: Sequence[tuple[str, Rule]] = (), *, default: Rule = REPLICATED):
+    def __init__(
+        self,
+        rules: Sequence[tuple[str, Rule]] = (),
+        *,
+        logical: LogicalTableLike | None = None,
+        default: Rule = REPLICATED,
+    ):
         compiled = []
         for item in rules:
             if not (isinstance(item, tuple) and len(item) == 2):
@@ -107,6 +154,7 @@ class PartitionRules:
                 ) from None
         _check_rule(default, where="default")
         self._rules = tuple(compiled)
+        self._logical = None if logical is None else logical_table(logical)
         self.default = default
 
     @classmethod
@@ -116,29 +164,79 @@ class PartitionRules:
         """Rules that FSDP-shard every leaf with at least ``min_size`` elements over ``axis``."""
         return cls([(".*", FSDP(axis, min_size))])
 
+    @classmethod
+    def from_logical(
+        cls,
+        table: LogicalTableLike,
+        *,
+        rules: Sequence[tuple[str, Rule]] = (),
+        default: Rule = REPLICATED,
+    ) -> PartitionRules:
+        """Rules from a logical table (a dict, or MaxText's ``logical_axis_rules`` pairs).
+
+        Examples:
+            >>> rules = PartitionRules.from_logical(
+            ...     [("batch", "data"), ("embed", "data"), ("embed", None), ("mlp", "model")],
+            ...     default=FSDP(),
+            ... )
+            >>> rules.logical
+            (('batch', 'data'), ('embed', 'data'), ('embed', None), ('mlp', 'model'))
+        """
+        return cls(rules, logical=table, default=default)
+
     @property
     def rules(self) -> tuple[tuple[str, Rule], ...]:
         """The ``(pattern, rule)`` pairs, in order."""
         return tuple((regex.pattern, rule) for regex, rule in self._rules)
 
+    @property
+    def logical(self) -> LogicalTable | None:
+        """The logical table as ``(name, mesh axes)`` pairs in priority order, or ``None``."""
+        return self._logical
+
     def __repr__(self) -> str:
         lines = [f"  {pattern!r} -> {rule!r}" for pattern, rule in self.rules]
+        lines += [f"  logical {name!r} -> {axes!r}" for name, axes in self._logical or ()]
         lines.append(f"  default -> {self.default!r}")
         return "PartitionRules(\n" + "\n".join(lines) + "\n)"
 
-    def resolve(self, tree: Any, mesh: Mesh) -> list[Placement]:
-        """The placement of every leaf of ``tree`` on ``mesh``, in leaf order."""
+    def _check_axes(self, mesh: Mesh) -> None:
         for pattern, rule in [*self.rules, ("default", self.default)]:
             names = rule_axis_names(rule)
             check_axis_names(mesh, names, what=f"partition rule {pattern!r} -> {rule!r}")
+        if self._logical is not None:
+            unknown = [a for a in table_axis_names(self._logical) if a not in mesh.axis_names]
+            if unknown:
+                users = [n for n, axes in self._logical if unknown[0] in entry_axis_names(axes)]
+                raise ValueError(
+                    f"Unknown mesh axis {unknown[0]!r} in the logical table (for {users}); "
+                    f"the mesh has axes {dict(mesh.shape)}. Map those names to one of "
+                    f"{list(mesh.axis_names)} or None, or add the axis to the mesh (size 1 "
+                    f"keeps one table for several meshes: 'data=-1,{unknown[0]}=1')."
+                )
+
+    def resolve(self, tree: Any, mesh: Mesh, *, names: Any | None = None) -> list[Placement]:
+        """The placement of every leaf of ``tree`` on ``mesh``, in leaf order.
+
+        ``tree`` may hold flax linen boxes or NNX variables, whose logical names are
+        read (``meshkit.logical_axes``); ``names`` gives them explicitly instead, as a
+        tree of the unboxed structure with a tuple of names (or ``None``) per leaf.
+        """
+        self._check_axes(mesh)
+        plain, all_names = leaf_names(tree, names)
         placements = []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        leaves = jax.tree_util.tree_leaves_with_path(plain)
+        for (path, leaf), leaf_logical in zip(leaves, all_names, strict=True):
             name = path_str(path)
             shape = tuple(int(d) for d in getattr(leaf, "shape", np.shape(leaf)))
             pattern, rule = next(
                 ((regex.pattern, rule) for regex, rule in self._rules if regex.search(name)),
-                (None, self.default),
+                (None, None),
             )
+            if rule is None and self._logical is not None and leaf_logical is not None:
+                placements.append(_apply_logical(leaf_logical, self._logical, name, shape, mesh))
+                continue
+            rule = self.default if rule is None else rule
             spec, dropped = _apply(rule, name, shape, mesh, pattern)
             placements.append(Placement(name, shape, pattern, spec, dropped))
         return placements
@@ -182,6 +280,20 @@ def _apply(
     return canonical_spec(entries), tuple(dropped)
 
 
+def _apply_logical(
+    names: Names, table: LogicalTable, name: str, shape: tuple[int, ...], mesh: Mesh
+) -> Placement:
+    if len(names) != len(shape):
+        raise ValueError(
+            f"{name} carries the logical axis names {names} ({len(names)} dims) but has "
+            f"shape {shape} ({len(shape)} dims). Name every dimension once (None for a "
+            "dimension that needs no name)."
+        )
+    entries, conflicts = assign(names, table, leaf=name)
+    spec, dropped = _apply(PartitionSpec(*entries), name, shape, mesh, "logical")
+    return Placement(name, shape, None, spec, conflicts + dropped, logical=names)
+
+
 def _apply_fsdp(
     rule: FSDP, name: str, shape: tuple[int, ...], mesh: Mesh
 ) -> tuple[PartitionSpec, tuple[str, ...]]:
@@ -208,13 +320,20 @@ def canonical_spec(entries: Sequence[Any]) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def infer_shardings(tree: Any, mesh: Mesh, rules: PartitionRules | None = None) -> Any:
+def infer_shardings(
+    tree: Any, mesh: Mesh, rules: PartitionRules | None = None, *, names: Any | None = None
+) -> Any:
     """A pytree of ``NamedSharding``s for ``tree``, from ``rules`` (replicated if ``None``).
 
     ``tree`` may hold arrays or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``),
-    so shardings can be chosen before anything is materialised. Mesh axes dropped
-    because they do not divide a dimension are logged once, as a warning on the
-    ``meshkit`` logger.
+    so shardings can be chosen before anything is materialised. It may also hold flax
+    linen boxes (``jax.eval_shape(module.init, ...)`` of a module with
+    ``nn.with_logical_partitioning``) or NNX variables: their logical names go through
+    the rules' logical table, and the result has the unboxed structure (one sharding
+    where a box was), which ``jax.jit(module.init, out_shardings=...)`` accepts too.
+    ``names`` gives the logical names of a plain tree instead (see ``logical_axes``).
+    Mesh axes dropped because they do not divide a dimension, or because another
+    dimension already uses them, are logged once, as a warning on the ``meshkit`` logger.
 
     Examples:
         >>> import jax, jax.numpy as jnp, meshkit
@@ -223,6 +342,10 @@ def infer_shardings(tree: Any, mesh: Mesh, rules: PartitionRules | None = None) 
         >>> rules = meshkit.PartitionRules([("w", jax.P("data"))])
         >>> shardings = meshkit.infer_shardings(params, mesh, rules)
         >>> shardings["w"].spec
+        P('data',)
+        >>> rules = meshkit.PartitionRules(logical={"rows": "data", "cols": None})
+        >>> names = {"w": ("rows", "cols")}
+        >>> meshkit.infer_shardings(params, mesh, rules, names=names)["w"].spec
         P('data',)
     """
     if not isinstance(mesh, Mesh):
@@ -233,9 +356,11 @@ def infer_shardings(tree: Any, mesh: Mesh, rules: PartitionRules | None = None) 
             f"rules must be a meshkit.PartitionRules, got {type(rules).__name__}. "
             "Wrap (regex, PartitionSpec) pairs: PartitionRules([...])."
         )
-    placements = rules.resolve(tree, mesh)
+    placements = rules.resolve(tree, mesh, names=names)
     dropped = [message for placement in placements for message in placement.dropped]
     if dropped:
         logger.warning("Partition rules could not apply in full:\n  %s", "\n  ".join(dropped))
-    specs = iter(placement.spec for placement in placements)
-    return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), tree)
+    structure = jax.tree.structure(unbox(tree))
+    return jax.tree.unflatten(
+        structure, [NamedSharding(mesh, placement.spec) for placement in placements]
+    )

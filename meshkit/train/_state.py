@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
@@ -14,6 +15,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
+from meshkit._logical import ActivationRules, Names, leaf_names, unbox
+from meshkit._pytree import path_str
 from meshkit._rules import PartitionRules, infer_shardings
 from meshkit.train._precision import LossScale, Precision
 
@@ -83,6 +86,11 @@ def nnx_model(factory: Callable[[Any], Any]) -> Model:
     dropout draws from); ``apply`` merges them back for each call and returns the
     updated ``state``, so it is checkpointed and resumed like linen's ``batch_stats``.
 
+    Variables annotated with ``nnx.with_partitioning(init, ("embed", "mlp"))`` keep
+    their names as metadata, read by ``PartitionRules(logical=...)``; they are created
+    without NNX's eager sharding (which needs a mesh at creation): the train state is
+    placed by ``create_train_state`` instead.
+
     Examples:
         >>> from flax import nnx
         >>> model = nnx_model(lambda rngs: nnx.Linear(3, 2, rngs=rngs))
@@ -91,10 +99,15 @@ def nnx_model(factory: Callable[[Any], Any]) -> Model:
     """
     from flax import nnx
 
-    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
+    def build(rngs: Any) -> Any:
+        eager = getattr(nnx, "use_eager_sharding", None)  # flax >= 0.12
+        with contextlib.nullcontext() if eager is None else eager(False):
+            return factory(rngs)
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))), nnx.Param, ...)
 
     def init(rng: jax.Array) -> Variables:
-        _, params, rest = nnx.split(factory(nnx.Rngs(rng)), nnx.Param, ...)
+        _, params, rest = nnx.split(build(nnx.Rngs(rng)), nnx.Param, ...)
         return {"params": params, "state": rest}
 
     def apply(
@@ -136,6 +149,11 @@ class TrainState(struct.PyTreeNode):
       tx: the optax optimizer (static).
       loss_scale: the dynamic loss scale with float16 compute, else ``None``.
       precision: the compute dtype policy (static); parameters stay float32.
+      param_axes: the logical axis names the model gave its parameters, as
+        ``(path under params, names)`` pairs (static; empty for an unannotated model).
+      activation_rules: the logical table and mesh that ``nn.with_logical_constraint``
+        resolves against while train and eval steps trace (static; ``None`` unless
+        ``create_train_state`` got rules with a logical table).
     """
 
     step: jax.Array
@@ -147,6 +165,8 @@ class TrainState(struct.PyTreeNode):
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     loss_scale: LossScale | None = None
     precision: Precision = struct.field(pytree_node=False, default=Precision())
+    param_axes: tuple[tuple[str, Names], ...] = struct.field(pytree_node=False, default=())
+    activation_rules: ActivationRules | None = struct.field(pytree_node=False, default=None)
 
     def variables(self, params: Any | None = None) -> Variables:
         """The variables ``apply_fn`` takes: params (these, or the state's) and collections."""
@@ -155,6 +175,36 @@ class TrainState(struct.PyTreeNode):
     def step_rng(self) -> jax.Array:
         """This step's dropout key, ``fold_in(rng, step)``: a resumed run draws the same."""
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
+    def logical_axes(self) -> TrainState:
+        """The logical axis names of every leaf (a tuple of names, or ``None``), state-shaped.
+
+        Parameters carry the names their model gave them (``param_axes``); so do the
+        optimizer-state leaves that mirror a parameter (same path suffix and shape, as
+        Adam's ``mu`` and ``nu``), so the logical table shards them alike.
+        """
+        by_path = dict(self.param_axes)
+        shapes = {
+            path_str(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(self.params)
+        }
+
+        def names_of(path: str, shape: tuple[int, ...]) -> Names | None:
+            parts = path.split("/")
+            for start in range(len(parts)):  # the longest suffix that is a parameter's path
+                suffix = "/".join(parts[start:])
+                if suffix in by_path and shapes.get(suffix) == shape:
+                    return by_path[suffix]
+            return None
+
+        leaves, structure = jax.tree_util.tree_flatten_with_path(self)
+        names = [names_of(path_str(path), tuple(leaf.shape)) for path, leaf in leaves]
+        return jax.tree.unflatten(structure, names)
+
+    def logical_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The activation rules' context while a step traces (nothing without rules)."""
+        rules = self.activation_rules
+        return contextlib.nullcontext() if rules is None else rules.scope()
 
     def apply_gradients(
         self, grads: Any, collections: Mapping[str, Any] | None = None
@@ -205,7 +255,10 @@ def init_state_from_key(
     policy = Precision.of(precision)
     init_rng, train_rng = jax.random.split(key)
     variables = dict(model.init(init_rng))
-    params = variables.pop("params")
+    params, names = leaf_names(variables["params"])
+    paths = [path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    param_axes = tuple((path, n) for path, n in zip(paths, names, strict=True) if n is not None)
+    variables = unbox({key: value for key, value in variables.items() if key != "params"})
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -216,6 +269,7 @@ def init_state_from_key(
         tx=tx,
         loss_scale=policy.initial_scale(),
         precision=policy,
+        param_axes=param_axes,
     )
 
 
@@ -238,9 +292,12 @@ def train_state_shardings(
 
     Rules match paths such as ``params/Dense_0/kernel`` and
     ``opt_state/0/mu/Dense_0/kernel``, so one FSDP rule shards the parameters and
-    their optimizer moments alike.
+    their optimizer moments alike. A logical table in ``rules`` places the leaves
+    that carry logical names (``TrainState.logical_axes``): the annotated parameters
+    and the optimizer moments that mirror them.
     """
-    return infer_shardings(abstract, mesh, rules)
+    names = abstract.logical_axes() if rules is not None and rules.logical is not None else None
+    return infer_shardings(abstract, mesh, rules, names=names)
 
 
 def create_train_state(
@@ -262,6 +319,13 @@ def create_train_state(
     dtype the model computes in; parameters and optimizer state stay float32 (see
     ``Precision``). With ``"f16"`` the state also carries a dynamic ``LossScale``.
 
+    Parameters a flax model annotated (``nn.with_logical_partitioning``,
+    ``nn.with_partitioning``, ``nnx.with_partitioning``) come unboxed, as plain
+    arrays; their logical names go through the logical table of ``rules``
+    (``PartitionRules(logical=...)``), and the state keeps that table with the mesh
+    (``activation_rules``) so that the train and eval steps made from it resolve
+    ``nn.with_logical_constraint`` on activations to the mesh.
+
     Examples:
         >>> import jax.numpy as jnp, optax, meshkit
         >>> from meshkit.models import CifarNet
@@ -275,7 +339,10 @@ def create_train_state(
     policy = Precision.of(precision)
     abstract = abstract_train_state(model, tx, seed, precision=policy)
     shardings = train_state_shardings(abstract, mesh, rules)
-    return jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
+    state = jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
+    if rules is not None and rules.logical is not None:
+        state = state.replace(activation_rules=ActivationRules(rules.logical, mesh))
+    return state
 
 
 def state_shardings_of(state: TrainState) -> TrainState:

@@ -48,6 +48,9 @@ def apply_model(
     The state's precision policy applies here: with ``"bf16"`` or ``"f16"`` the
     parameters and floating-point inputs are cast to that dtype for the call and the
     outputs come back as float32; mutable collections (batch statistics) stay float32.
+    So do the state's activation rules: inside the call, ``nn.with_logical_constraint``
+    resolves logical names through the logical table the state was created with, so
+    evaluation functions built on ``apply_model`` shard activations as training does.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, meshkit
@@ -66,13 +69,14 @@ def apply_model(
     mutable = (list(state.collections) or False) if training else False
     policy = state.precision
     params = state.params if params is None else params
-    out = state.apply_fn(
-        {"params": policy.to_compute(params), **state.collections},
-        policy.to_compute(inputs),
-        train=training,
-        rngs={"dropout": rng} if training else None,
-        mutable=mutable,
-    )
+    with state.logical_scope():
+        out = state.apply_fn(
+            {"params": policy.to_compute(params), **state.collections},
+            policy.to_compute(inputs),
+            train=training,
+            rngs={"dropout": rng} if training else None,
+            mutable=mutable,
+        )
     outputs, collections = out if mutable else (out, {})
     return policy.to_output(outputs), dict(collections)
 
@@ -267,7 +271,8 @@ def train_step_fn(
     add ``skipped`` (1 for a skipped step) and ``loss_scale``, and ``grad_norm`` is 0
     for a skipped step. ``unroll_microbatches`` chooses straight-line code over one
     loop for the micro-batches; by default ``unrolls_microbatches`` of the batch's
-    platform decides (the two give the same results).
+    platform decides (the two give the same results). The state's activation rules
+    (a logical table given to ``create_train_state``) are active while the step traces.
     """
     check_int(microbatches, name="microbatches", minimum=1)
     if unroll_microbatches is None:
@@ -279,6 +284,10 @@ def train_step_fn(
         unroll_microbatches = unrolls_microbatches(platform)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        with state.logical_scope():  # nn.with_logical_constraint resolves to the mesh
+            return _train_step(state, batch)
+
+    def _train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = state.step_rng()
         if microbatches == 1:
             loss, out, grads = _gradients(loss_fn, state, batch, rng)
