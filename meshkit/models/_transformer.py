@@ -67,6 +67,31 @@ def sinusoidal_positions(length: int, width: int) -> jax.Array:
     return codes.reshape(length, -1)[:, :width]
 
 
+class Einsum(nn.Module):
+    """``einsum(equation, x, kernel) + bias``: a dense layer over several dimensions at once.
+
+    The kernel has shape ``shape`` and logical ``names``; the bias, when ``bias_names``
+    is given, covers the last ``len(bias_names)`` dimensions of the kernel. (Flax's
+    ``nn.DenseGeneral`` initializes a flattened kernel and reshapes it, which a
+    logical constraint active during ``init`` refuses.)
+    """
+
+    equation: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    bias_names: tuple[str | None, ...] | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _normal(*self.names), self.shape)
+        y = jnp.einsum(self.equation, x, kernel.astype(x.dtype))
+        if self.bias_names is None:
+            return y
+        bias_shape = self.shape[len(self.shape) - len(self.bias_names) :]
+        bias = self.param("bias", _zeros(*self.bias_names), bias_shape)
+        return y + bias.astype(y.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which position ``t`` attends to positions ``<= t``.
 
@@ -81,16 +106,17 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
         width = x_BxLxD.shape[-1]
         head_dim = width // self.num_heads
+        heads = ("batch", "length", "heads", "kv")
 
         def project(name: str) -> jax.Array:
-            y_BxLxHxK = nn.DenseGeneral(
-                (self.num_heads, head_dim),
-                use_bias=name != "key",
-                kernel_init=_normal("embed", "heads", "kv"),
-                bias_init=_zeros("heads", "kv"),
+            y_BxLxHxK = Einsum(
+                "bld,dhk->blhk",
+                (width, self.num_heads, head_dim),
+                ("embed", "heads", "kv"),
+                None if name == "key" else ("heads", "kv"),
                 name=name,
             )(x_BxLxD)
-            return nn.with_logical_constraint(y_BxLxHxK, ("batch", "length", "heads", "kv"))
+            return nn.with_logical_constraint(y_BxLxHxK, heads)
 
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (project(n) for n in ("query", "key", "value"))
         logits_BxHxLxL = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
@@ -100,14 +126,12 @@ class CausalSelfAttention(nn.Module):
         weights_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(x_BxLxD.dtype)
         weights_BxHxLxL = nn.Dropout(self.dropout_rate, deterministic=not train)(weights_BxHxLxL)
         mixed_BxLxHxK = jnp.einsum("bhqt,bthk->bqhk", weights_BxHxLxL, v_BxLxHxK)
-        mixed_BxLxHxK = nn.with_logical_constraint(
-            mixed_BxLxHxK, ("batch", "length", "heads", "kv")
-        )
-        return nn.DenseGeneral(
-            width,
-            axis=(-2, -1),
-            kernel_init=_normal("heads", "kv", "embed"),
-            bias_init=_zeros("embed"),
+        mixed_BxLxHxK = nn.with_logical_constraint(mixed_BxLxHxK, heads)
+        return Einsum(
+            "blhk,hkd->bld",
+            (self.num_heads, head_dim, width),
+            ("heads", "kv", "embed"),
+            ("embed",),
             name="out",
         )(mixed_BxLxHxK)
 
