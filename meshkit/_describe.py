@@ -90,7 +90,7 @@ def _spec_str(sharding: Sharding | None) -> str:
 
 
 def _names_str(names: Names | None) -> str:
-    return "-" if names is None else "(" + ", ".join(map(repr, names)) + ")"
+    return "-" if names is None else repr(tuple(names))
 
 
 def _describe_tree(tree: Any, shardings: Any | None, names: Any | None, show_mesh: bool) -> str:
