@@ -10,7 +10,16 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from meshkit.models._resnet import BasicBlock as BasicBlock
+from meshkit.models._resnet import Bottleneck as Bottleneck
+from meshkit.models._resnet import ResNet as ResNet
+from meshkit.models._resnet import ResNet18 as ResNet18
+from meshkit.models._resnet import ResNet34 as ResNet34
+from meshkit.models._resnet import ResNet50 as ResNet50
 from meshkit.models._transformer import Transformer as Transformer
+from meshkit.models._vit import ViT as ViT
+from meshkit.models._vit import ViTSmall as ViTSmall
+from meshkit.models._vit import ViTTiny as ViTTiny
 
 
 class MnistCNN(nn.Module):
@@ -91,5 +100,9 @@ MODELS: dict[str, type[nn.Module]] = {
     "mnist_cnn": MnistCNN,
     "cifar_net": CifarNet,
     "norm_cnn": NormCNN,
+    "resnet18": ResNet18,
+    "resnet50": ResNet50,
+    "vit_tiny": ViTTiny,
+    "vit_small": ViTSmall,
 }
 """Models by the names recipes accept."""

@@ -1,0 +1,272 @@
+"""ResNet and ViT: reference parameter counts, shapes, batch norm, dropout, sharded steps."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import train
+from meshkit.models import (
+    MODELS,
+    BasicBlock,
+    Bottleneck,
+    ResNet,
+    ResNet18,
+    ResNet34,
+    ResNet50,
+    ViT,
+    ViTSmall,
+    ViTTiny,
+)
+
+
+def abstract_variables(module, size: int, batch: int = 1):
+    return jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((batch, size, size, 3)))
+
+
+def num_params(variables) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(variables["params"]))
+
+
+def init(module, x) -> Any:
+    """``module.init`` op by op: for these small models, faster than compiling it whole."""
+    return module.init(jax.random.key(0), x)
+
+
+def tiny_resnet(**kwargs) -> ResNet:
+    return ResNet18(**{"num_classes": 10, "width": 8, "stem": "cifar", **kwargs})
+
+
+def tiny_vit(**kwargs) -> ViT:
+    defaults = {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64}
+    return ViT(num_classes=10, **{**defaults, **kwargs})
+
+
+# The reference models' parameter counts (ImageNet, 1000 classes, 224×224 inputs).
+REFERENCE_COUNTS = [
+    pytest.param(ResNet18(), 11_689_512, id="resnet18"),
+    pytest.param(ResNet34(), 21_797_672, id="resnet34"),
+    pytest.param(ResNet50(), 25_557_032, id="resnet50"),
+    pytest.param(ViTTiny(patch_size=16, image_size=224), 5_717_416, id="vit-ti16"),
+    pytest.param(ViTSmall(patch_size=16, image_size=224), 22_050_664, id="vit-s16"),
+]
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(("module", "expected"), REFERENCE_COUNTS)
+def test_parameter_counts_match_the_reference_architectures(module, expected):
+    assert num_params(abstract_variables(module, 224)) == expected
+
+
+@pytest.mark.once
+def test_batch_stats_are_the_running_mean_and_variance_of_every_batch_norm():
+    variables = abstract_variables(ResNet50(), 224)
+    stats = variables["batch_stats"]
+    norms = [path for path, _ in jax.tree_util.tree_leaves_with_path(stats)]
+    assert len(norms) == 2 * 53  # 53 batch norms (49 in blocks, 4 projections): mean + var
+    assert num_params({"params": stats}) == 2 * 26_560  # torchvision: 26,560 BN channels
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("module", "size"),
+    [
+        pytest.param(ResNet18(num_classes=10, stem="cifar"), 32, id="resnet18-cifar-32"),
+        pytest.param(ResNet50(num_classes=10, stem="cifar"), 32, id="resnet50-cifar-32"),
+        pytest.param(ResNet18(num_classes=10), 224, id="resnet18-224"),
+        pytest.param(ResNet50(num_classes=10), 224, id="resnet50-224"),
+        pytest.param(ViTTiny(num_classes=10), 32, id="vit-tiny-32"),
+        pytest.param(ViTSmall(num_classes=10, pool="gap"), 32, id="vit-small-gap-32"),
+        pytest.param(ViTTiny(num_classes=10, patch_size=16), 224, id="vit-tiny-224"),
+    ],
+)
+def test_output_shapes(module, size):
+    def logits(x):
+        out, _ = module.init_with_output(jax.random.key(0), x, train=False)
+        return out
+
+    out = jax.eval_shape(logits, jnp.zeros((3, size, size, 3)))
+    assert out.shape == (3, 10) and out.dtype == jnp.float32
+
+
+@pytest.mark.once
+def test_stems_and_feature_map_sizes():
+    cifar = abstract_variables(ResNet18(stem="cifar"), 32)["params"]["stem_conv"]["kernel"]
+    imagenet = abstract_variables(ResNet18(), 32)["params"]["stem_conv"]["kernel"]
+    assert cifar.shape == (3, 3, 3, 64) and imagenet.shape == (7, 7, 3, 64)
+    model = ResNet18(stem="cifar", width=4)
+    _, state = jax.eval_shape(
+        lambda x: model.init_with_output(
+            jax.random.key(0), x, capture_intermediates=lambda m, _: m.name == "stage4_block2"
+        ),
+        jnp.zeros((1, 32, 32, 3)),
+    )
+    (features,) = state["intermediates"]["stage4_block2"]["__call__"]
+    assert features.shape == (1, 4, 4, 32)  # 32 / 8 after three strided stages
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(("block", "channels"), [(BasicBlock(4), 4), (Bottleneck(2), 8)])
+def test_each_residual_block_starts_as_the_identity(block, channels):
+    """The block's last batch-norm scale starts at 0: on non-negative inputs, out = in."""
+    x = jnp.abs(jax.random.normal(jax.random.key(1), (2, 4, 4, channels)))
+    out, variables = block.init_with_output(jax.random.key(0), x)
+    np.testing.assert_array_equal(out, x)
+    last = "bn2" if isinstance(block, BasicBlock) else "bn3"
+    assert not np.any(variables["params"][last]["scale"])
+    assert np.all(variables["params"]["bn1"]["scale"] == 1)
+    plain = block.clone(zero_init_residual=False)
+    out, _ = plain.init_with_output(jax.random.key(0), x)
+    assert not np.allclose(out, x)
+
+
+def test_batch_norm_updates_in_training_and_uses_running_averages_in_evaluation():
+    model = tiny_resnet(stage_sizes=(1, 1))
+    images = jax.random.normal(jax.random.key(1), (6, 8, 8, 3)) * 3 + 1
+    variables = init(model, images)
+    apply = jax.jit(model.apply, static_argnames=("train", "mutable"))
+    logits, updated = apply(variables, images, train=True, mutable=("batch_stats",))
+    assert logits.shape == (6, 10)
+    before, after = variables["batch_stats"], updated["batch_stats"]
+    # The stem's batch norm sees the stem convolution's output: running mean and
+    # variance move from (0, 1) a tenth of the way to the batch's (momentum 0.9).
+    stem = jax.lax.conv_general_dilated(
+        images,
+        jnp.asarray(variables["params"]["stem_conv"]["kernel"]),
+        window_strides=(1, 1),
+        padding=((1, 1), (1, 1)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+    stem = np.asarray(stem, np.float64)
+    np.testing.assert_allclose(
+        after["stem_bn"]["mean"], 0.1 * stem.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        after["stem_bn"]["var"], 0.9 + 0.1 * stem.var(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5
+    )
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert not np.allclose(old, new)
+    # Evaluation uses no batch statistics: an example's logits do not depend on the
+    # rest of its batch. Training does.
+    others = images.at[1:].set(images[1:] * 2 - 3)
+    evaluated = apply(variables, images, train=False)
+    np.testing.assert_allclose(
+        apply(variables, others, train=False)[0], evaluated[0], rtol=1e-5, atol=1e-5
+    )
+    trained = apply(variables, others, train=True, mutable=("batch_stats",))[0]
+    assert not np.allclose(trained[0], logits[0], atol=1e-4)
+
+
+def test_vit_dropout_only_in_training():
+    model = tiny_vit(depth=1, dropout_rate=0.5)
+    images = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+    variables = init(model, images)
+    # A non-zero head, so the logits show what dropout does to the features.
+    variables["params"]["head"]["kernel"] = jnp.ones((32, 10))
+    apply = jax.jit(model.apply, static_argnames="train")
+    evaluation = apply(variables, images)
+    np.testing.assert_array_equal(evaluation, apply(variables, images, train=False))
+
+    def trained(seed):
+        return apply(variables, images, train=True, rngs={"dropout": jax.random.key(seed)})
+
+    np.testing.assert_array_equal(trained(0), trained(0))
+    assert not np.allclose(trained(0), trained(1))
+    assert not np.allclose(trained(0), evaluation)
+
+
+def test_vit_head_starts_at_zero_and_class_token_versus_average_pool():
+    images = jnp.ones((2, 8, 8, 3))
+    token = init(tiny_vit(depth=1), images)["params"]
+    gap = abstract_variables(tiny_vit(depth=1, pool="gap"), 8)["params"]
+    assert token["pos_embedding"].shape == (1, 5, 32) and "cls_token" in token
+    assert gap["pos_embedding"].shape == (1, 4, 32) and "cls_token" not in gap
+    logits = jax.jit(tiny_vit(depth=1).apply)({"params": token}, images)
+    np.testing.assert_array_equal(logits, np.zeros((2, 10)))
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    for module, size in ((tiny_resnet(dtype=jnp.bfloat16), 8), (tiny_vit(dtype=jnp.bfloat16), 8)):
+        out, variables = jax.eval_shape(
+            lambda x, m=module: m.init_with_output(jax.random.key(0), x),
+            jnp.zeros((2, size, size, 3)),
+        )
+        assert out.dtype == jnp.bfloat16
+        assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("module", "shape", "message"),
+    [
+        (tiny_vit(patch_size=3), (1, 8, 8, 3), "patch_size=3 does not divide"),
+        (tiny_vit(image_size=32), (1, 16, 16, 3), "built for 32×32 images"),
+        (tiny_vit(num_heads=3), (1, 8, 8, 3), "not divisible by num_heads=3"),
+        (tiny_vit(pool="max"), (1, 8, 8, 3), "pool must be 'token' or 'gap'"),
+        (tiny_resnet(stem="tiny"), (1, 8, 8, 3), "stem must be 'imagenet' or 'cifar'"),
+        (tiny_resnet(), (8, 8, 3), r"expects images of shape \(batch, height"),
+    ],
+)
+def test_bad_configurations_say_what_to_change(module, shape, message):
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(module.init, jax.random.key(0), jnp.zeros(shape))
+
+
+@pytest.mark.once
+def test_models_are_registered_by_name():
+    assert MODELS["resnet18"] is ResNet18 and MODELS["resnet50"] is ResNet50
+    assert MODELS["vit_tiny"] is ViTTiny and MODELS["vit_small"] is ViTSmall
+    assert MODELS["vit_tiny"](num_classes=3).num_classes == 3
+
+
+# ----------------------------------------------------------------- sharded steps
+
+
+def two_steps(module, mesh, rules):
+    """Two SGD steps on a fixed batch of 16 random 8×8 images; the two losses and state."""
+    sharding = meshkit.batch_sharding(mesh)
+    rng = np.random.default_rng(0)
+    batch = meshkit.shard_batch(
+        {
+            "image": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
+            "label": rng.integers(0, 10, 16).astype(np.int32),
+        },
+        sharding,
+    )
+    model = train.linen_model(module, jnp.zeros((1, 8, 8, 3)))
+    state = train.create_train_state(model, optax.sgd(0.1, momentum=0.9), mesh, rules=rules)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))  # one step at a time: no queue of collectives
+    return losses, state
+
+
+MODULES = [  # small enough to compile in seconds: one block per stage, one encoder block
+    pytest.param(lambda: tiny_resnet(stage_sizes=(1, 1)), id="resnet"),
+    pytest.param(lambda: tiny_vit(depth=1), id="vit"),
+]
+
+
+@pytest.mark.parametrize("make_module", MODULES)
+def test_fsdp_step_matches_the_replicated_layout(make_module):
+    """Two steps, replicated and FSDP (on one device, FSDP degenerates to replicated)."""
+    mesh = meshkit.make_mesh("data=-1")
+    rules = meshkit.PartitionRules.fsdp("data", min_size=512)
+    replicated, _ = two_steps(make_module(), mesh, None)
+    fsdp, state = two_steps(make_module(), mesh, rules)
+    assert all(math.isfinite(loss) for loss in replicated) and replicated[1] != replicated[0]
+    assert int(state.step) == 2
+    np.testing.assert_allclose(fsdp, replicated, rtol=1e-5)
+    sharded = [leaf for leaf in jax.tree.leaves(state.params) if "data" in leaf.sharding.spec]
+    assert bool(sharded) == (jax.device_count() > 1)
