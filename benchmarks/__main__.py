@@ -14,6 +14,7 @@ BENCHMARKS = [
     "data_parallel_step",
     "precision",
     "data_loader",
+    "input_pipeline",
     "full_eval",
     "ensemble",
     "lbfgs",

@@ -1,0 +1,229 @@
+"""Image classification on encoded JPEG records: ResNet or ViT, augmented per example.
+
+Command (no arguments: ResNet-18 with its small-image stem, at a quarter of its width,
+on the embedded digits written as 32×32 RGB JPEG image records, on 8 fake CPU
+devices)::
+
+    python -m recipes.image_classification
+
+Expected result, in about 3 minutes on a 2-core machine: the data written to
+``<workdir>/data`` (a few seconds, once), a progress bar, then a JSON summary (also in
+``<workdir>/summary.json``) with a test accuracy above 0.95 over all 360 test digits,
+the images per second this host fed and the share of time spent waiting for input
+(under 5%), e.g.::
+
+    {"model": "resnet18", "steps": 240, "test_accuracy": 0.98..., "images_per_second_per_host": ...,
+     "input_wait_fraction": 0.01..., ...}
+
+Every training image is decoded from its JPEG bytes, randomly cropped and resized
+(Inception-style), flipped (not for digits: a mirrored 2 is not a 2) and normalised in
+Grain's threads, one example at a time; the test images are decoded, centre-cropped
+and normalised.
+
+Other runs::
+
+    python -m recipes.image_classification --model vit_tiny       # AdamW, 4×4 patches
+    python -m recipes.image_classification --data-dir ~/flowers_records --image-size 64
+    python -m recipes.image_classification --workers 2          # Grain worker processes
+    python -m recipes.image_classification --mesh data=4,model=2 --rules fsdp --precision bf16
+
+``--data-dir`` names a folder with ``train.array_record`` and ``test.array_record``
+image records (and their ``.json`` sidecars), as ``python -m meshkit.data.convert
+images --from-folder ROOT/train --out DIR/train.array_record`` (and the same for
+``test``, adding ``--class-names-from DIR/train.array_record``) writes them from image
+folders (``ROOT/train/<class name>/*.jpg``). Rerunning with the same ``--workdir``
+resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import meshkit
+from recipes._args import (
+    add_training_options,
+    fit_options,
+    hyperparameters,
+    learning_rate_schedule,
+    recipe_parser,
+)
+
+MODELS = ("resnet18", "resnet50", "vit_tiny", "vit_small")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = recipe_parser(__doc__, workdir="workdir/image_classification", progress=True)
+    parser.add_argument("--model", default="resnet18", choices=MODELS)
+    parser.add_argument("--data-dir", type=Path, help="folder with train and test image records")
+    parser.add_argument("--image-size", type=int, default=32, help="training and test image side")
+    parser.add_argument(
+        "--width",
+        type=int,
+        help="ResNet features in the first stage (default 16 on the "
+        "embedded digits, else 64 as in the reference ResNets)",
+    )
+    parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
+    parser.add_argument("--rules", choices=["replicated", "fsdp"], default="replicated")
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adamw"], help="default: sgd for ResNets, adamw for ViTs"
+    )
+    parser.add_argument("--learning-rate", type=float, help="default: 0.1 (sgd), 0.001 (adamw)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum")
+    parser.add_argument("--weight-decay", type=float, default=5e-4)
+    parser.add_argument("--min-crop", type=float, default=0.35, help="smallest crop area share")
+    parser.add_argument(
+        "--flip",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random horizontal flips (default: on, except for the digits)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="input threads per process")
+    parser.add_argument("--workers", type=int, default=0, help="Grain worker processes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=120)
+    parser.add_argument("--checkpoint-every", type=int, default=120)
+    add_training_options(parser)
+    parser.set_defaults(lr_schedule="cosine", warmup_steps=20)
+    args = parser.parse_args(argv)
+    args.optimizer = args.optimizer or ("sgd" if args.model.startswith("resnet") else "adamw")
+    args.learning_rate = args.learning_rate or (0.1 if args.optimizer == "sgd" else 1e-3)
+    if args.model.startswith("resnet"):
+        args.width = args.width or (64 if args.data_dir else 16)
+    return args
+
+
+def architecture_options(args: argparse.Namespace) -> dict[str, object]:
+    """Below 128 pixels a side, ResNets keep their resolution in the stem (a 3×3 stride-1
+    convolution, no pooling) and ViTs take 4×4 patches instead of 16×16. On the embedded
+    digits a ResNet is a quarter as wide as the reference (16 features in its first
+    stage instead of 64): it learns them as well and trains in minutes on a CPU."""
+    small = args.image_size < 128
+    if args.model.startswith("resnet"):
+        return {"stem": "cifar" if small else "imagenet", "width": args.width}
+    return {"patch_size": 4 if small else 16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from meshkit import data, train
+    from meshkit.data import image
+    from meshkit.models import MODELS as ARCHITECTURES
+
+    if args.data_dir is None:  # every process writes its own copy: a second or so
+        records = data.write_digits_images(tempfile.mkdtemp(), size=args.image_size)
+    else:
+        records = {split: args.data_dir / f"{split}.array_record" for split in ("train", "test")}
+    train_source = data.image_records(records["train"])
+    test_source = data.image_records(records["test"])
+    if train_source.class_names != test_source.class_names:
+        raise SystemExit(
+            f"The train and test records name different classes ({train_source.class_names} "
+            f"vs {test_source.class_names}): a label would mean one class in training and "
+            "another in the test. Convert the test folder with --class-names-from TRAIN_RECORDS."
+        )
+    flip = args.flip if args.flip is not None else args.data_dir is not None
+
+    mesh = meshkit.make_mesh(args.mesh)
+    batch_sharding = meshkit.batch_sharding(mesh)
+    mean, std = image.IMAGENET_MEAN, image.IMAGENET_STD
+    pipeline = data.TrainPipeline(
+        train_source,
+        global_batch_size=args.batch_size,
+        sharding=batch_sharding,
+        seed=args.seed,
+        transform=image.train_transform(
+            args.image_size,
+            scale=(args.min_crop, 1.0),
+            flip=0.5 if flip else 0.0,
+            mean=mean,
+            std=std,
+        ),
+        num_threads=args.threads,
+        worker_count=args.workers,
+    )
+    eval_pipeline = data.EvalPipeline(
+        test_source,
+        global_batch_size=args.batch_size,
+        sharding=batch_sharding,
+        transform=image.eval_transform(args.image_size, crop_fraction=1.0, mean=mean, std=std),
+        num_threads=args.threads,
+    )
+    module = ARCHITECTURES[args.model](
+        num_classes=train_source.num_classes, **architecture_options(args)
+    )
+    model = train.linen_model(module, jnp.zeros((1, args.image_size, args.image_size, 3)))
+    schedule = learning_rate_schedule(args)
+    if args.optimizer == "sgd":
+        tx = optax.chain(
+            optax.add_decayed_weights(args.weight_decay),
+            optax.sgd(schedule, momentum=args.momentum),
+        )
+    else:
+        tx = optax.adamw(schedule, weight_decay=args.weight_decay)
+    rules = meshkit.PartitionRules.fsdp("data") if args.rules == "fsdp" else None
+    state = train.create_train_state(
+        model, tx, mesh, rules=rules, seed=args.seed, precision=args.precision
+    )
+    step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(state),
+        batch_sharding,
+        microbatches=args.microbatches,
+    )
+    train.write_run_config(args.workdir, train.run_config(args, mesh))
+    if jax.process_index() == 0:
+        print(meshkit.describe(state.params), flush=True)
+
+    result = train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=args.steps,
+        workdir=args.workdir,
+        eval_pipeline=eval_pipeline,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress,
+        **fit_options(args, schedule),
+    )
+    local_batch = pipeline.shard.size
+    summary = {
+        "model": args.model,
+        "data": str(args.data_dir or f"digits as {args.image_size}x{args.image_size} JPEG"),
+        "image_size": args.image_size,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
+        "hyperparameters": hyperparameters(
+            args, "optimizer", "weight_decay", "min_crop", "width", "rules"
+        ),
+        "steps": result.step,
+        "resumed_from": result.resumed_from,
+        "preempted": result.preempted,
+        "final_train_loss": result.train_metrics.get("loss"),
+        "test_accuracy": result.eval_metrics.get("accuracy"),
+        "test_examples": result.eval_metrics.get("count"),
+        "steps_per_second": result.steps_per_second,
+        "images_per_second_per_host": result.steps_per_second * local_batch,
+        "input_wait_fraction": result.input_wait_fraction,
+        "train_step_compiles": result.train_step_compiles,
+    }
+    if jax.process_index() == 0:
+        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps(summary))
+    return train.PREEMPTED_EXIT_CODE if result.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
