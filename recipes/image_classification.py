@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "preempted": result.preempted,
         "final_train_loss": result.train_metrics.get("loss"),
         "test_accuracy": result.eval_metrics.get("accuracy"),
+        "test_loss": result.eval_metrics.get("loss"),
         "test_examples": result.eval_metrics.get("count"),
         "steps_per_second": result.steps_per_second,
         "images_per_second_per_host": result.steps_per_second * local_batch,
