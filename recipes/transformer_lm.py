@@ -1,23 +1,24 @@
 """A byte-level Transformer language model: FSDP over ``data``, tensor parallel over ``model``.
 
-Command (no arguments: a 4-layer, 128-wide decoder-only Transformer on the Python
-reference's topic texts, which ship with Python, on 8 fake CPU devices as a
-``data=4 × model=2`` mesh)::
+Command (no arguments: a 2-layer, 128-wide decoder-only Transformer on the Python
+reference's topic texts, which ship with Python, read as bytes; 1,200 steps of 8
+windows of 128 bytes on 8 fake CPU devices as a ``data=4 × model=2`` mesh)::
 
     python -m recipes.transformer_lm
 
-Expected result, in about 3 minutes on a 2-core machine: the layout report, a
-progress bar, a line of sampled text, then a JSON summary (also written to
-``<workdir>/summary.json``) with held-out bits per character below TARGET_BPC, e.g.::
+Expected result, in about 2 minutes on a 2-core machine: the rules table, the layout
+report, a progress bar, a line of sampled text, then a JSON summary (also written to
+``<workdir>/summary.json``) with held-out bits per character below ``TARGET_BPC``
+(2.3; measured 2.14 with Python 3.11.7, whose text it is), e.g.::
 
-    {"model": {...}, "mesh": {"data": 4, "model": 2}, "steps": 300,
-     "test_bits_per_char": 2.3..., "target_bits_per_char": 2.5, ...}
+    {"model": {...}, "mesh": {"data": 4, "model": 2}, "steps": 1200,
+     "test_bits_per_char": 2.14..., "target_bits_per_char": 2.3, "sample": "The ...", ...}
 
 Other runs::
 
     python -m recipes.transformer_lm --mesh data=8,model=1     # FSDP only
     python -m recipes.transformer_lm --mesh data=2,model=4     # more tensor parallelism
-    python -m recipes.transformer_lm --steps 2000 --num-layers 6 --embed-dim 256
+    python -m recipes.transformer_lm --num-layers 4 --embed-dim 256 --steps 5000   # a GPU run
     python -m meshkit.launch -n 2 -d 4 -- python -m recipes.transformer_lm   # as 2 hosts
 
 One table, ``LOGICAL_RULES``, maps the model's logical axis names to mesh axes; every
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from typing import Any
 
@@ -56,8 +56,11 @@ LOGICAL_RULES: dict[str, str | None] = {
 order, each mesh axis once: ``[batch, length, embed]`` is ``P('data')``, since
 ``batch`` takes ``data`` first."""
 
-TARGET_BPC = 2.5
-"""Held-out bits per character the default run reaches (a test checks it)."""
+RULES = meshkit.PartitionRules(logical=LOGICAL_RULES)
+"""Every parameter, optimizer moment and activation is placed by the table."""
+
+TARGET_BPC = 2.3
+"""Held-out bits per character the default run stays below (a test checks it)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,16 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mlp-dim", type=int, default=512)
     parser.add_argument("--length", type=int, default=128, help="context length in bytes")
     parser.add_argument("--dropout-rate", type=float, default=0.0)
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=None, help="default: at the end")
-    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--checkpoint-every", type=int, default=400)
     parser.add_argument("--sample-prompt", default="The ", help="text the sample starts from")
     add_training_options(parser)
-    parser.set_defaults(lr_schedule="cosine", warmup_steps=30)
+    parser.set_defaults(lr_schedule="cosine", warmup_steps=60)
     return parser.parse_args(argv)
 
 
@@ -115,7 +118,9 @@ def sample(state: Any, prompt: bytes, length: int, *, temperature: float = 0.8) 
 
     One jitted loop: each step runs the model on the whole window and reads the
     logits after the last byte written; the causal mask keeps later (unwritten)
-    positions from mattering.
+    positions from mattering. One sequence cannot be split over ``data``, so the
+    activation constraints are off here (``activation_rules=None``): the compiler
+    places the activations, the parameters stay where they are.
     """
     import jax
     import numpy as np
@@ -134,33 +139,19 @@ def sample(state: Any, prompt: bytes, length: int, *, temperature: float = 0.8) 
     tokens = np.zeros((1, length), np.int32)
     tokens[0, : len(prompt)] = np.frombuffer(prompt, np.uint8)
     mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-    written = jax.jit(generate)(state, meshkit.replicate(tokens, mesh), jax.random.key(0))
+    unconstrained = state.replace(activation_rules=None)
+    written = jax.jit(generate)(unconstrained, meshkit.replicate(tokens, mesh), jax.random.key(0))
     return np.asarray(meshkit.to_host(written))[0]
 
 
 def create_state(module: Any, tx: Any, mesh: Any, *, seed: int = 0, precision: str = "f32") -> Any:
-    """The train state of ``module`` (a ``Transformer``), laid out by ``LOGICAL_RULES``."""
-    import flax.linen as nn
-    import jax
+    """The train state of ``module`` (a ``Transformer``), laid out by ``RULES``."""
     import jax.numpy as jnp
 
     from meshkit import train
-    from meshkit._pytree import path_str
 
-    sample_input = jnp.zeros((1, module.max_length), jnp.int32)
-    boxed = jax.eval_shape(lambda: module.init(jax.random.key(0), sample_input))["params"]
-    table = list(LOGICAL_RULES.items())
-    rules = []
-    for path, spec in jax.tree_util.tree_leaves_with_path(
-        nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    ):
-        mesh_spec = nn.logical_to_mesh_axes(tuple(spec), table)
-        rules.append((rf"(^|/){re.escape(path_str(path))}$", mesh_spec))
-    linen = train.linen_model(module, sample_input)
-    model = train.Model(init=lambda rng: nn.meta.unbox(linen.init(rng)), apply=linen.apply)
-    return train.create_train_state(
-        model, tx, mesh, rules=meshkit.PartitionRules(rules), seed=seed, precision=precision
-    )
+    model = train.linen_model(module, jnp.zeros((1, module.max_length), jnp.int32))
+    return train.create_train_state(model, tx, mesh, rules=RULES, seed=seed, precision=precision)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.write_run_config(args.workdir, train.run_config(args, mesh))
     if jax.process_index() == 0:
-        print("logical axis -> mesh axis:", json.dumps(LOGICAL_RULES))
-        print(meshkit.describe(state.params), flush=True)
+        print(RULES)
+        print(meshkit.describe(state.params, names=state.logical_axes().params), flush=True)
 
     result = train.fit(
         state,

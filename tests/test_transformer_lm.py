@@ -101,16 +101,22 @@ def train_losses(mesh_axes: str, steps: int = 3) -> dict:
     )
     source = data.reference_text("train", length=LENGTH)
     pipeline = data.TrainPipeline(source, global_batch_size=16, sharding=sharding, seed=0)
-    losses = []
+    losses, constraints = [], 0
     with data.GlobalBatchIterator(pipeline) as batches:
         for _ in range(steps):
-            state, metrics = step(state, next(batches))
+            batch = next(batches)
+            if not losses:  # the model's activation names became sharding constraints
+                constraints = (
+                    cast(Any, step).lower(state, batch).as_text().count("sharding_constraint")
+                )
+            state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))  # one step at a time on fake devices
     kernel = state.params["block_0"]["mlp"]["up"]["kernel"]
     return {
         "losses": losses,
         "params": meshkit.to_host(state.params),
         "spec": tuple(kernel.sharding.spec),
+        "constraints": constraints,
     }
 
 
@@ -120,6 +126,7 @@ def test_data_and_tensor_parallel_layouts_train_alike():
         axes: train_losses(axes) for axes in ("data=8,model=1", "data=4,model=2", "data=2,model=4")
     }
     assert runs["data=4,model=2"]["spec"] == tuple(P("data", "model"))  # FSDP × tensor parallel
+    assert runs["data=4,model=2"]["constraints"] > 0
     reference = runs["data=8,model=1"]
     assert reference["losses"][-1] < reference["losses"][0]
     for axes, run in runs.items():
