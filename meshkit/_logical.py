@@ -58,8 +58,8 @@ def logical_table(table: LogicalTableLike) -> LogicalTable:
         >>> logical_table([("embed", ["data", "model"]), ("embed", "data")])
         (('embed', ('data', 'model')), ('embed', 'data'))
     """
-    items = table.items() if isinstance(table, Mapping) else table
-    if isinstance(items, str | bytes) or not isinstance(items, Sequence | type({}.items())):
+    items = list(table.items()) if isinstance(table, Mapping) else table
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
         raise TypeError(
             f"A logical table must be a dict or a sequence of (name, mesh axes) pairs, got "
             f"{type(table).__name__}: {table!r}."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, cast
 
@@ -12,12 +13,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax.core import meta
+from flax.core import FrozenDict, meta
 from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit import FSDP, PartitionRules
 from meshkit import train as mtrain
+from meshkit.evaluate._steps import per_example_values
 
 TABLE = {"batch": "data", "embed": "data", "mlp": "model", "vocab": None}
 
@@ -138,6 +140,9 @@ def test_an_unknown_logical_name_says_which_leaf_and_how_to_fix_it():
         rules.resolve(tree, mesh, names={"layer": {"kernel": ("embed", None, None)}})
     with pytest.raises(TypeError, match=r"'embed' maps to 3"):
         PartitionRules(logical={"embed": 3})
+    with pytest.raises(TypeError, match=r"a dict or a sequence of \(name, mesh axes\) pairs"):
+        PartitionRules(logical=cast(Any, "embed"))
+    assert PartitionRules(logical=FrozenDict(TABLE)).logical == tuple(TABLE.items())
 
 
 @pytest.mark.once
@@ -166,6 +171,11 @@ def test_linen_boxes_and_nnx_metadata_are_read():
     assert shardings["params"]["Dense_1"]["kernel"].spec == P("model")
     params = jax.jit(module.init, out_shardings=shardings)(jax.random.key(0), jnp.zeros((1, 8)))
     assert params["params"]["Dense_0"]["kernel"].value.sharding.spec == P("data", "model")
+    # nn.with_partitioning's names are logical names too: map a mesh axis to itself.
+    layer = nn.Dense(16, kernel_init=nn.with_partitioning(nn.initializers.ones, ("model", None)))
+    plain_boxed = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((1, 8)))
+    got = specs(PartitionRules(logical={"model": "model"}), plain_boxed, mesh)
+    assert got == {"params/bias": P(), "params/kernel": P("model")}
 
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     with nnx.use_eager_sharding(False):
@@ -226,6 +236,14 @@ def test_an_activation_constraint_reaches_the_compiled_step():
     compiled = jax.jit(lambda s, x: mtrain.apply_model(s, x)[0]).lower(state, data["image"])
     assert "f32[2,8]" in (compiled.compile().as_text() or "")
     assert '[{"data"}, {"model"}]' in compiled.as_text()  # eval through apply_model too
+
+    # An evaluation function that calls apply_fn itself gets the table through
+    # per_example_values, the evaluation steps' call of the function.
+    def logits(state, batch):
+        return {"logits": state.apply_fn({"params": state.params}, batch["image"])}
+
+    lowered = jax.jit(functools.partial(per_example_values, logits)).lower(state, data)
+    assert '[{"data"}, {"model"}]' in lowered.as_text()
     # Without a table the names do nothing: no constraint.
     assert '[{"data"}, {"model"}]' not in lowered_step(mlp_state(mesh, None), mesh)
 

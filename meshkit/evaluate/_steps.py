@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,28 @@ from meshkit._pytree import signature as pytree_signature
 from meshkit._types import PerExampleFn
 
 Totals = dict[str, jax.Array]
+
+
+def per_example_values(
+    per_example_fn: PerExampleFn, state: Any, batch: Mapping[str, jax.Array]
+) -> dict[str, Any]:
+    """``per_example_fn(state, batch)`` inside the state's activation rules, if it has any.
+
+    A train state created with a logical table (``PartitionRules(logical=...)``)
+    carries it with its mesh; while an evaluation step traces, the table then resolves
+    ``nn.with_logical_constraint`` in the model as the train step does, whether
+    ``per_example_fn`` goes through ``apply_model`` or calls ``state.apply_fn``
+    itself. Any other state (parameters, ``None``) runs the function as it is.
+
+    Examples:
+        >>> import numpy as np
+        >>> per_example_values(lambda _, b: {"x": b["x"] * 2}, None, {"x": np.arange(3)})
+        {'x': array([0, 2, 4])}
+    """
+    scope = getattr(state, "logical_scope", None)  # a TrainState's; other states have none
+    context = contextlib.nullcontext() if scope is None else scope()
+    with cast(contextlib.AbstractContextManager[Any], context):
+        return dict(per_example_fn(state, batch))
 
 
 def check_per_example(values: Mapping[str, Any], rows: int, *, what: str) -> None:
@@ -127,6 +150,5 @@ def _metric_names(
     """The metric names ``per_example_fn`` returns for inputs of this ``signature``."""
     del signature  # the cache key
     state, batch = inputs.value
-    return tuple(
-        name for name in jax.eval_shape(per_example_fn, state, batch) if name not in collect
-    )
+    values = jax.eval_shape(functools.partial(per_example_values, per_example_fn), state, batch)
+    return tuple(name for name in values if name not in collect)

@@ -182,6 +182,20 @@ class TrainState(struct.PyTreeNode):
         Parameters carry the names their model gave them (``param_axes``); so do the
         optimizer-state leaves that mirror a parameter (same path suffix and shape, as
         Adam's ``mu`` and ``nu``), so the logical table shards them alike.
+
+        Examples:
+            >>> import jax.numpy as jnp, optax, flax.linen as nn, meshkit
+            >>> init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+            >>> model = linen_model(nn.Dense(8, kernel_init=init), jnp.zeros((1, 4)))
+            >>> rules = meshkit.PartitionRules(logical={"embed": None, "mlp": "data"})
+            >>> mesh = meshkit.make_mesh("data=-1")
+            >>> state = create_train_state(model, optax.adam(0.1), mesh, rules=rules)
+            >>> state.param_axes
+            (('kernel', ('embed', 'mlp')),)
+            >>> state.logical_axes().opt_state[0].mu["kernel"]
+            ('embed', 'mlp')
+            >>> state.opt_state[0].mu["kernel"].sharding.spec
+            P(None, 'data')
         """
         by_path = dict(self.param_axes)
         shapes = {
