@@ -18,7 +18,7 @@ Other runs::
 
     python -m recipes.transformer_lm --mesh data=8,model=1     # FSDP only
     python -m recipes.transformer_lm --mesh data=2,model=4     # more tensor parallelism
-    python -m recipes.transformer_lm --num-layers 4 --embed-dim 256 --steps 5000   # a GPU run
+    python -m recipes.transformer_lm --num-layers 4 --embed-dim 256 --steps 5000  # bigger, longer
     python -m meshkit.launch -n 2 -d 4 -- python -m recipes.transformer_lm   # as 2 hosts
 
 One table, ``LOGICAL_RULES``, maps the model's logical axis names to mesh axes; every
@@ -126,6 +126,12 @@ def sample(state: Any, prompt: bytes, length: int, *, temperature: float = 0.8) 
     import numpy as np
 
     from meshkit import train
+
+    if not 0 < len(prompt) < length:
+        raise ValueError(
+            f"The sample prompt has {len(prompt)} bytes; it needs 1 to {length - 1} (the "
+            f"context length {length} less one). Pass a shorter or non-empty --sample-prompt."
+        )
 
     def generate(state: Any, tokens_1xL: Any, key: Any) -> Any:
         def write_next(position: Any, tokens_1xL: Any) -> Any:
