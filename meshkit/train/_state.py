@@ -207,8 +207,10 @@ class TrainState(struct.PyTreeNode):
             parts = path.split("/")
             for start in range(len(parts)):  # the longest suffix that is a parameter's path
                 suffix = "/".join(parts[start:])
-                if suffix in by_path and shapes.get(suffix) == shape:
-                    return by_path[suffix]
+                names = by_path.get(suffix)
+                if names is not None:  # a stacked (vmapped) state has one more dimension
+                    same = shapes.get(suffix) == shape and len(names) == len(shape)
+                    return names if same else None
             return None
 
         leaves, structure = jax.tree_util.tree_flatten_with_path(self)
