@@ -115,8 +115,10 @@ def test_stems_and_feature_map_sizes():
 @pytest.mark.once
 @pytest.mark.parametrize(("block", "channels"), [(BasicBlock(4), 4), (Bottleneck(2), 8)])
 def test_each_residual_block_starts_as_the_identity(block, channels):
-    """The block's last batch-norm scale starts at 0: on non-negative inputs, out = in."""
+    """With zero_init_residual the block's last batch-norm scale starts at 0: on
+    non-negative inputs, out = in."""
     x = jnp.abs(jax.random.normal(jax.random.key(1), (2, 4, 4, channels)))
+    block = block.clone(zero_init_residual=True)
     out, variables = block.init_with_output(jax.random.key(0), x)
     np.testing.assert_array_equal(out, x)
     last = "bn2" if isinstance(block, BasicBlock) else "bn3"

@@ -56,7 +56,11 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         self.prefetch = prefetch
         self._step = 0 if state is None else check_state(pipeline, state)
         self.wait_seconds = 0.0
-        """Time ``next()`` spent getting batches (host gather and placement): input-bound time."""
+        """Time ``next()`` spent getting batches (host gather and placement): input-bound
+        time, after the first batch."""
+        self.startup_seconds = 0.0
+        """Time the first ``next()`` took: opening the pipeline (its threads or worker
+        processes) and building the first batches. A one-off, like a compilation."""
         self._local: Any = None  # the pipeline's iterator, opened by the first next()
         self._placed: collections.deque[dict[str, jax.Array]] = collections.deque()
         self._exhausted = False
@@ -64,10 +68,15 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
 
     def __next__(self) -> dict[str, jax.Array]:
         started = time.perf_counter()
+        first = self._local is None
         try:
             return self._next()
         finally:
-            self.wait_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            if first:
+                self.startup_seconds += seconds
+            else:
+                self.wait_seconds += seconds
 
     def _next(self) -> dict[str, jax.Array]:
         if self._closed:

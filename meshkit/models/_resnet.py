@@ -68,7 +68,7 @@ class BasicBlock(nn.Module):
 
     features: int
     stride: int = 1
-    zero_init_residual: bool = True
+    zero_init_residual: bool = False
     dtype: Any = None
 
     expansion: ClassVar[int] = 1
@@ -88,7 +88,7 @@ class Bottleneck(nn.Module):
 
     features: int
     stride: int = 1
-    zero_init_residual: bool = True
+    zero_init_residual: bool = False
     dtype: Any = None
 
     expansion: ClassVar[int] = 4
@@ -127,9 +127,11 @@ class ResNet(nn.Module):
     Batch norm uses batch statistics with ``train=True`` (updating the running averages
     in ``batch_stats``, so apply with ``mutable=["batch_stats"]``) and the running
     averages with ``train=False``. Under ``jax.jit`` with a sharded batch the statistics
-    are those of the whole global batch. The last batch norm of every residual block
-    starts with scale 0 (``zero_init_residual``), so each block starts as the identity,
-    which helps large-batch training (Goyal et al., 2017).
+    are those of the whole global batch. With ``zero_init_residual`` the last batch norm
+    of every residual block starts with scale 0, so each block starts as the identity,
+    which helps large-batch ImageNet training (Goyal et al., 2017); it is off by default,
+    as in torchvision, because it slows small runs down a lot (ResNet-18 at width 16 on
+    the digits: 78% training accuracy after 40 steps with it, 98% without).
 
     Attributes:
       stage_sizes: blocks per stage.
@@ -140,7 +142,8 @@ class ResNet(nn.Module):
       stem: ``"imagenet"``: 7×7 stride-2 convolution and 3×3 stride-2 max pool (a
         224×224 image reaches the first stage at 56×56); ``"cifar"``: one 3×3 stride-1
         convolution, no pool (for 32×32 images).
-      zero_init_residual: start the last batch-norm scale of each block at 0.
+      zero_init_residual: start the last batch-norm scale of each block at 0 (off by
+        default).
       dtype: the compute dtype; ``None`` follows the inputs and parameters (so
         ``create_train_state(..., precision="bf16")`` decides), ``jnp.bfloat16``
         computes in bfloat16 with float32 parameters.
@@ -158,7 +161,7 @@ class ResNet(nn.Module):
     num_classes: int = 1000
     width: int = 64
     stem: Stem = "imagenet"
-    zero_init_residual: bool = True
+    zero_init_residual: bool = False
     dtype: Any = None
 
     @nn.compact

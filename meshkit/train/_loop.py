@@ -51,7 +51,10 @@ class FitResult:
       eval_metrics: the last evaluation (``count`` plus metric means), or ``{}``.
       steps_per_second: training throughput after the first step of this run
         (evaluation and checkpoint time excluded).
-      input_wait_fraction: the share of this run's time spent waiting for input batches.
+      input_wait_fraction: the share of this run's time spent waiting for input batches,
+        after the first one.
+      input_startup_seconds: the time the first batch took: opening the pipeline (its
+        threads or Grain worker processes) and building its first batches.
       train_step_compiles: compilations of the train step during this run.
       max_in_flight: the most steps that were queued on the devices at once.
     """
@@ -65,6 +68,7 @@ class FitResult:
     eval_metrics: dict[str, float]
     steps_per_second: float
     input_wait_fraction: float
+    input_startup_seconds: float
     train_step_compiles: int
     max_in_flight: int
 
@@ -214,7 +218,8 @@ def fit(
         train_metrics=loop.records.last,
         eval_metrics=loop.eval_metrics,
         steps_per_second=timed_steps / loop.elapsed if min(timed_steps, loop.elapsed) > 0 else 0.0,
-        input_wait_fraction=batches.wait_seconds / wall if wall > 0 else 0.0,
+        input_wait_fraction=batches.wait_seconds / max(wall - batches.startup_seconds, 1e-9),
+        input_startup_seconds=batches.startup_seconds,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
         max_in_flight=window.limit,
     )
