@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any, cast
 
 import flax.linen as nn
@@ -19,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 import meshkit
 from meshkit import FSDP, PartitionRules
 from meshkit import train as mtrain
-from meshkit.evaluate._steps import per_example_values
+from meshkit.evaluate._full_eval import _eval_step
+from meshkit.evaluate._steps import per_example_values, zero_totals
+from meshkit.evaluate._stream import _stream_step
 
 TABLE = {"batch": "data", "embed": "data", "mlp": "model", "vocab": None}
 
@@ -242,10 +245,21 @@ def test_an_activation_constraint_reaches_the_compiled_step():
     def logits(state, batch):
         return {"logits": state.apply_fn({"params": state.params}, batch["image"])}
 
+    constraint = re.compile(r'sdy\.sharding_constraint %\d+ <@mesh, \[\{"data"\}, \{"model"\}\]>')
     lowered = jax.jit(functools.partial(per_example_values, logits)).lower(state, data)
-    assert '[{"data"}, {"model"}]' in lowered.as_text()
+    assert constraint.search(lowered.as_text())
+    assert not constraint.search(jax.jit(logits).lower(state, data).as_text())  # no scope
+
+    # ... and so do full_eval's and stream_eval's steps, which call it.
+    def row_sums(state, batch):
+        return {"total": state.apply_fn({"params": state.params}, batch["image"]).sum(-1)}
+
+    masked = {**data, "mask": jnp.ones(len(data["image"]), bool), "more": jnp.array(False)}
+    totals = zero_totals(row_sums, state, masked, mesh)
+    for step in (_eval_step(row_sums, (), mesh), _stream_step(row_sums, mesh)):
+        assert constraint.search(step.lower(state, masked, totals).as_text())
     # Without a table the names do nothing: no constraint.
-    assert '[{"data"}, {"model"}]' not in lowered_step(mlp_state(mesh, None), mesh)
+    assert not constraint.search(lowered_step(mlp_state(mesh, None), mesh))
 
 
 @pytest.mark.devices(8)

@@ -17,7 +17,13 @@ from meshkit._inflight import InFlight, default_max_in_flight
 from meshkit._mesh import DATA_AXIS, check_data_axis
 from meshkit._types import PerExampleFn
 from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
-from meshkit.evaluate._steps import Totals, check_per_example, masked_sums, zero_totals
+from meshkit.evaluate._steps import (
+    Totals,
+    check_per_example,
+    masked_sums,
+    per_example_values,
+    zero_totals,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,7 @@ def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mes
     replicated = replicated_sharding(mesh)
 
     def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
-        values = dict(per_example_fn(state, batch))
+        values = per_example_values(per_example_fn, state, batch)  # in its logical rules
         what = "full_eval's per_example_fn returned"
         kept = {name: values.pop(name) for name in collect}
         check_per_example(kept, batch["mask"].shape[0], what=what)  # the rest: masked_sums

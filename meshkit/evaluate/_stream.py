@@ -18,7 +18,7 @@ from meshkit._pytree import leading_rows
 from meshkit._types import PerExampleFn
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
-from meshkit.evaluate._steps import Totals, masked_sums, zero_totals
+from meshkit.evaluate._steps import Totals, masked_sums, per_example_values, zero_totals
 
 
 @functools.lru_cache(maxsize=32)
@@ -26,7 +26,7 @@ def _stream_step(per_example_fn: PerExampleFn, mesh: Mesh) -> Any:
     replicated = replicated_sharding(mesh)
 
     def step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
-        values = dict(per_example_fn(state, batch))
+        values = per_example_values(per_example_fn, state, batch)  # in its logical rules
         what = "stream_eval's per_example_fn returned"
         sums = masked_sums(values, batch["mask"], what=what)
         more = jnp.any(batch["more"])  # does any process hold another batch?
