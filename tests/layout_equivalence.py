@@ -93,6 +93,20 @@ CASES = {
         ("--train-steps", "10", "--workdir", "{workdir}"),
         _summary(*(f"{m}/{k}" for m in FULL_EVAL_METHODS for k in ("examples", "accuracy"))),
     ),
+    "image_classification": Case(
+        (
+            *("--steps", "6", "--batch-size", "64", "--warmup-steps", "2", "--eval-every", "6"),
+            *("--checkpoint-every", "6", "--no-progress", "--workdir", "{workdir}"),
+        ),
+        _summary("final_train_loss", "test_loss", "test_accuracy", "test_examples"),
+    ),
+    "transformer_lm": Case(
+        (
+            *("--steps", "8", "--warmup-steps", "2", "--eval-every", "8"),
+            *("--checkpoint-every", "8", "--no-progress", "--workdir", "{workdir}"),
+        ),
+        _summary("final_train_loss", "test_loss"),
+    ),
     "lbfgs": Case(
         (
             *("--num-samples", "4000", "--num-features", "64", "--maxiter", "20"),
