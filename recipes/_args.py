@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -128,3 +129,28 @@ def fit_options(args: argparse.Namespace, schedule: Any) -> dict[str, Any]:
         "learning_rate": schedule,
         "profile_steps": args.profile_steps,
     }
+
+
+def run_summary(result: Any) -> dict[str, Any]:
+    """The summary keys every training recipe reports from ``fit``'s result: steps,
+    resume, the last training loss, the step rate, input wait and compiles."""
+    return {
+        "steps": result.step,
+        "resumed_from": result.resumed_from,
+        "preempted": result.preempted,
+        "final_train_loss": result.train_metrics.get("loss"),
+        "steps_per_second": result.steps_per_second,
+        "input_wait_fraction": result.input_wait_fraction,
+        "input_startup_seconds": result.input_startup_seconds,
+        "train_step_compiles": result.train_step_compiles,
+    }
+
+
+def write_summary(workdir: Any, summary: dict[str, Any]) -> None:
+    """On process 0: ``summary.json`` in ``workdir``, and the summary as the last line
+    printed."""
+    import jax
+
+    if jax.process_index() == 0:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps(summary))

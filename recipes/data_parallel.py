@@ -34,7 +34,6 @@ recipes.data_parallel ...``), TPU pods (``gcloud compute tpus tpu-vm ssh ... --w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,6 +44,8 @@ from recipes._args import (
     hyperparameters,
     learning_rate_schedule,
     recipe_parser,
+    run_summary,
+    write_summary,
 )
 
 DATASETS = {"digits", "mnist", "fashion_mnist", "cifar10"}
@@ -163,20 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "hyperparameters": hyperparameters(args, "rules"),
-        "steps": result.step,
-        "resumed_from": result.resumed_from,
-        "preempted": result.preempted,
-        "final_train_loss": result.train_metrics.get("loss"),
+        **run_summary(result),
         "test_accuracy": result.eval_metrics.get("accuracy"),
         "test_loss": result.eval_metrics.get("loss"),
         "test_examples": result.eval_metrics.get("count"),
-        "steps_per_second": result.steps_per_second,
-        "input_wait_fraction": result.input_wait_fraction,
-        "train_step_compiles": result.train_step_compiles,
     }
-    if jax.process_index() == 0:
-        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
+    write_summary(args.workdir, summary)
     return train.PREEMPTED_EXIT_CODE if result.preempted else 0
 
 

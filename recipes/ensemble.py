@@ -35,7 +35,6 @@ code 75. On several processes the script is unchanged (see ``recipes.data_parall
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -47,6 +46,8 @@ from recipes._args import (
     hyperparameters,
     learning_rate_schedule,
     recipe_parser,
+    run_summary,
+    write_summary,
 )
 
 
@@ -160,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         **fit_options(args, schedule),
     )
     summary = summarize(args, layout, result)
-    if jax.process_index() == 0:
-        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
+    write_summary(args.workdir, summary)
     return train.PREEMPTED_EXIT_CODE if result.preempted else 0
 
 
@@ -182,9 +181,7 @@ def summarize(args: argparse.Namespace, layout, result) -> dict:
         "dataset": args.dataset,
         "processes": jax.process_count(),
         "hyperparameters": hyperparameters(args, "same_batches"),
-        "steps": result.step,
-        "resumed_from": result.resumed_from,
-        "preempted": result.preempted,
+        **run_summary(result),
         "test_examples": evaluation.get("count"),
         "ensemble_test_accuracy": evaluation.get("ensemble_accuracy"),
         "ensemble_test_loss": evaluation.get("ensemble_loss"),
@@ -192,9 +189,6 @@ def summarize(args: argparse.Namespace, layout, result) -> dict:
         "mean_member_test_accuracy": evaluation.get("accuracy"),
         "member_test_accuracy": member_accuracy,
         "member_test_loss": member_loss,
-        "final_train_loss": result.train_metrics.get("loss"),
-        "steps_per_second": result.steps_per_second,
-        "train_step_compiles": result.train_step_compiles,
     }
 
 

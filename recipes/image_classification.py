@@ -39,7 +39,6 @@ resumes from its last checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -51,6 +50,8 @@ from recipes._args import (
     hyperparameters,
     learning_rate_schedule,
     recipe_parser,
+    run_summary,
+    write_summary,
 )
 
 MODELS = ("resnet18", "resnet50", "vit_tiny", "vit_small")
@@ -212,22 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         "hyperparameters": hyperparameters(
             args, "optimizer", "weight_decay", "min_crop", "width", "rules"
         ),
-        "steps": result.step,
-        "resumed_from": result.resumed_from,
-        "preempted": result.preempted,
-        "final_train_loss": result.train_metrics.get("loss"),
+        **run_summary(result),
         "test_accuracy": result.eval_metrics.get("accuracy"),
         "test_loss": result.eval_metrics.get("loss"),
         "test_examples": result.eval_metrics.get("count"),
-        "steps_per_second": result.steps_per_second,
         "images_per_second_per_host": result.steps_per_second * local_batch,
-        "input_wait_fraction": result.input_wait_fraction,
-        "input_startup_seconds": result.input_startup_seconds,
-        "train_step_compiles": result.train_step_compiles,
     }
-    if jax.process_index() == 0:
-        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
+    write_summary(args.workdir, summary)
     return train.PREEMPTED_EXIT_CODE if result.preempted else 0
 
 

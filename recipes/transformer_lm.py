@@ -29,7 +29,6 @@ parameter, optimizer moment and activation follows it. Rerunning with the same
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
@@ -41,6 +40,8 @@ from recipes._args import (
     hyperparameters,
     learning_rate_schedule,
     recipe_parser,
+    run_summary,
+    write_summary,
 )
 
 LOGICAL_RULES: dict[str, str | None] = {
@@ -234,22 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "hyperparameters": hyperparameters(args, "weight_decay", "dropout_rate"),
-        "steps": result.step,
-        "resumed_from": result.resumed_from,
-        "preempted": result.preempted,
-        "final_train_loss": result.train_metrics.get("loss"),
+        **run_summary(result),
         "test_loss": result.eval_metrics.get("loss"),
         "test_bits_per_char": bits_per_char,
         "target_bits_per_char": TARGET_BPC,
         "test_windows": result.eval_metrics.get("count"),
         "sample": text,
-        "steps_per_second": result.steps_per_second,
-        "train_step_compiles": result.train_step_compiles,
     }
     if jax.process_index() == 0:
         print(f"sample: {text!r}")
-        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
+    write_summary(args.workdir, summary)
     return train.PREEMPTED_EXIT_CODE if result.preempted else 0
 
 
