@@ -70,6 +70,20 @@ def check_lbfgs(clone: Path, _out: str) -> str:
     return f"value {value:.6f} sharded = single device, 2 plots"
 
 
+def check_image_classification(clone: Path, _out: str) -> str:
+    summary = _summary(clone, "image_classification")
+    accuracy, wait = summary["test_accuracy"], summary["input_wait_fraction"]
+    assert summary["test_examples"] == 360 and accuracy > 0.95 and wait < 0.05, summary
+    return f"test accuracy {accuracy:.4f} on 360 digits, input wait {wait:.1%}"
+
+
+def check_transformer_lm(clone: Path, _out: str) -> str:
+    summary = _summary(clone, "transformer_lm")
+    bpc, target = summary["test_bits_per_char"], summary["target_bits_per_char"]
+    assert bpc < target and summary["mesh"] == {"data": 4, "model": 2}, summary
+    return f"{bpc:.3f} bits per character < {target}"
+
+
 def check_sharding_demo(_clone: Path, out: str) -> str:
     match = re.search(r"loss on 8 devices: ([\d.]+)\s+\(1 device: ([\d.]+)\)", out)
     assert match and match[1] == match[2], out[-2000:]
@@ -82,6 +96,8 @@ CHECKS: dict[str, Callable[[Path, str], str]] = {
     "python3 -m recipes.full_eval": check_full_eval,
     "python3 -m recipes.lbfgs": check_lbfgs,
     "python3 -m recipes.sharding_demo": check_sharding_demo,
+    "python3 -m recipes.image_classification": check_image_classification,
+    "python3 -m recipes.transformer_lm": check_transformer_lm,
 }
 
 

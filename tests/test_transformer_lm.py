@@ -154,13 +154,15 @@ def test_two_processes_train_like_one():
 
 
 @pytest.mark.multiprocess  # runs once: the recipe picks its own 8 devices
-def test_recipe_reaches_its_target(tmp_path):
+def test_recipe_learns_in_a_third_of_its_steps(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "recipes.transformer_lm",
             "--no-progress",
+            "--steps",
+            "400",
             "--workdir",
             str(tmp_path),
         ],
@@ -171,7 +173,9 @@ def test_recipe_reaches_its_target(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["test_bits_per_char"] < transformer_lm.TARGET_BPC
+    # A third of the default run (3.10 measured); the default 1,200 steps reach 2.14, below
+    # TARGET_BPC (nox -s first_hour checks that run).
+    assert summary["test_bits_per_char"] < 3.3 and summary["steps"] == 400
     assert summary["mesh"] == {"data": 4, "model": 2} and summary["train_step_compiles"] == 1
     assert summary["sample"].startswith("The ") and len(summary["sample"]) > 100
     assert "mlp/up/kernel" in out.stdout and "P('data', 'model')" in out.stdout
