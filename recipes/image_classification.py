@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--learning-rate", type=float, help="default: 0.1 (sgd), 0.001 (adamw)")
     parser.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum")
-    parser.add_argument("--weight-decay", type=float, default=5e-4)
+    parser.add_argument(
+        "--weight-decay", type=float, help="default: 5e-4 (sgd), 0.05 (adamw, decoupled)"
+    )
     parser.add_argument("--min-crop", type=float, default=0.35, help="smallest crop area share")
     parser.add_argument(
         "--flip",
@@ -93,10 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=120)
     parser.add_argument("--checkpoint-every", type=int, default=120)
     add_training_options(parser)
-    parser.set_defaults(lr_schedule="cosine", warmup_steps=20)
+    parser.set_defaults(lr_schedule="cosine", warmup_steps=None)
     args = parser.parse_args(argv)
+    if args.warmup_steps is None:  # 20 steps, or a tenth of a shorter run
+        args.warmup_steps = min(20, args.steps // 10)
     args.optimizer = args.optimizer or ("sgd" if args.model.startswith("resnet") else "adamw")
     args.learning_rate = args.learning_rate or (0.1 if args.optimizer == "sgd" else 1e-3)
+    if args.weight_decay is None:
+        args.weight_decay = 5e-4 if args.optimizer == "sgd" else 0.05
     if args.model.startswith("resnet"):
         args.width = args.width or (64 if args.data_dir else 16)
     return args

@@ -45,7 +45,10 @@ def write_image_folder(root: Path, per_class: int, seed: int) -> None:
 
 def test_default_data_and_model_learn_the_digits(tmp_path):
     # The default run (240 steps) reaches 0.98 (nox -s first_hour checks it); 60 steps 0.944.
-    summary = run_recipe("--steps", "60", "--eval-every", "60", "--workdir", str(tmp_path))
+    summary = run_recipe(
+        *("--steps", "60", "--warmup-steps", "20", "--eval-every", "60"),
+        *("--workdir", str(tmp_path)),
+    )
     assert summary["model"] == "resnet18" and summary["hyperparameters"]["width"] == 16
     assert summary["test_examples"] == 360 and summary["test_accuracy"] >= 0.9
     assert summary["train_step_compiles"] == 1 and summary["images_per_second_per_host"] > 0
