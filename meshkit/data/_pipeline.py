@@ -75,19 +75,17 @@ class _Pipeline:
         self._source_length = len(source)  # the steps, orders and padding derive from it
         self.global_batch_size = global_batch_size
         self.sharding = sharding
-        if num_threads is None:
-            # Gathering rows from in-memory arrays is one numpy call: threads only add
-            # their start-up time. Anything per example (a transform, records read one by
-            # one) gets two threads.
-            fast = getattr(source, "getitems", None) is not None and transform is None
-            num_threads = 0 if fast else 2
-        self.num_threads = num_threads
-        self.prefetch = prefetch
-        self.worker_count = worker_count
         # In-memory arrays without a transform are gathered a whole batch at a time
         # (one numpy call); anything else is read and transformed one example at a time,
         # so Grain's threads and workers spread the examples, not only the batches.
         self.per_example = transform is not None or getattr(source, "getitems", None) is None
+        if num_threads is None:
+            # A gather is one numpy call: threads only add their start-up time. Work per
+            # example gets two threads.
+            num_threads = 2 if self.per_example else 0
+        self.num_threads = num_threads
+        self.prefetch = prefetch
+        self.worker_count = worker_count
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -159,24 +157,21 @@ class _Pipeline:
     def _batches(self, steps: range) -> grain.IterDataset:
         """The batches of ``steps``, built ahead by threads (or worker processes).
 
-        Per-example pipelines map over examples and batch afterwards: threads read and
-        transform examples in parallel. Grain's worker processes each take whole
-        elements of the dataset they are given, so for them the examples are batched
-        first and every worker builds whole batches (its examples one by one).
+        Per-example pipelines on threads map over examples and batch afterwards, so the
+        threads read and transform examples in parallel. Otherwise each element is a
+        whole ``local_batch``: one gather for in-memory arrays, or, in Grain's worker
+        processes (each takes whole elements of the dataset it is given), a batch that
+        one worker builds from its examples one by one.
         """
         prefetch = self.prefetch if self.num_threads else 0
-        if not self.per_example:
-            elements = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
+        if not self.per_example or self.worker_count > 0:
+            batches = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
             read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
-            return self._in_workers(elements.to_iter_dataset(read))
+            return self._in_workers(batches.to_iter_dataset(read))
         size = self.shard.size
         examples = grain.MapDataset.range(
             steps.start * size, min(steps.stop * size, _UNBOUNDED_STEPS)
         ).map(self.example)
-        if self.worker_count > 0:
-            batches = examples.batch(size, drop_remainder=True, batch_fn=stack_records)
-            read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
-            return self._in_workers(batches.to_iter_dataset(read))
         read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch * size)
         return examples.to_iter_dataset(read).batch(
             size, drop_remainder=True, batch_fn=stack_records
