@@ -54,6 +54,19 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
+def error_reason(error: BaseException) -> str:
+    """``"TypeName: message"`` for an error message's parenthesis (no colon if empty)."""
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def record_key(index: int, count: int) -> int:
+    """``index`` (negative counts from the end) as a record key in ``[0, count)``."""
+    key = int(index) + (count if index < 0 else 0)
+    if not 0 <= key < count:
+        raise IndexError(f"Index {index} is out of range for {count} records.")
+    return key
+
+
 def _fields_of(record: Record) -> list[_Field]:
     fields = []
     for name, value in record.items():
@@ -333,7 +346,7 @@ class ArrayRecordSource:
         try:
             self._records: Any = grain.sources.ArrayRecordDataSource(str(self.path))
         except Exception as error:  # the reader reports corrupt files in several ways
-            reason = f"{type(error).__name__}: {error}".rstrip(": ")
+            reason = error_reason(error)
             raise ValueError(
                 f"{self.path} is not a readable ArrayRecord file ({reason}): it is damaged or "
                 "truncated. Write it again with meshkit.data.write_array_record or "
@@ -365,10 +378,7 @@ class ArrayRecordSource:
         return {field.name: (field.dtype, field.shape) for field in self._fields}
 
     def _key(self, index: int) -> int:
-        key = int(index) + (self._count if index < 0 else 0)
-        if not 0 <= key < self._count:
-            raise IndexError(f"Index {index} is out of range for {self._count} records.")
-        return key
+        return record_key(index, self._count)
 
     def _read(self, keys: list[int]) -> list[bytes]:
         """The records ``keys`` (checked), or a ``ValueError`` naming a damaged one."""
@@ -396,7 +406,7 @@ class ArrayRecordSource:
                     bad, error = [key], single
                     break
         where = f"Record {bad[0]}" if len(bad) == 1 else f"One of records {_preview(bad)}"
-        reason = f"{type(error).__name__}: {error}".rstrip(": ")
+        reason = error_reason(error)
         return ValueError(
             f"{where} of {self.path} cannot be read ({reason}): the file is damaged or "
             "truncated. Write it again with meshkit.data.write_array_record or "

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ._array_record import error_reason, record_key
 from ._labels import LABEL_FIELD, check_label_options, check_labels
 
 Decode = Callable[[bytes], dict[str, Any]]
@@ -73,7 +74,7 @@ def _count_records(path: Path) -> int:
             reader.close()
     except Exception as error:  # the reader reports damaged files in several ways
         raise ValueError(
-            f"{path} is not a readable ArrayRecord file ({_reason(error)}): it is damaged, "
+            f"{path} is not a readable ArrayRecord file ({error_reason(error)}): it is damaged, "
             f"truncated or in another format. {_REWRITE}"
         ) from None
 
@@ -101,10 +102,6 @@ def _callable_name(function: Callable[..., Any]) -> str:
     module = getattr(function, "__module__", None) or "?"
     name = getattr(function, "__qualname__", None) or type(function).__qualname__
     return f"{module}.{name}"
-
-
-def _reason(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
 class EncodedRecordSource:
@@ -209,7 +206,7 @@ class EncodedRecordSource:
         except Exception as error:  # pickling fails with several types
             raise TypeError(
                 f"EncodedRecordSource cannot be sent to worker processes: its decode "
-                f"{_callable_name(self.decode)} cannot be pickled ({_reason(error)}). "
+                f"{_callable_name(self.decode)} cannot be pickled ({error_reason(error)}). "
                 "Define decode as a function at module level (not a lambda or a nested "
                 "function), or use threads (worker_count=0)."
             ) from None
@@ -246,11 +243,7 @@ class EncodedRecordSource:
         return f"{self.paths[file]} (records counted across all {len(self.paths)} files)"
 
     def _key(self, index: int) -> int:
-        count = len(self)
-        key = int(index) + (count if index < 0 else 0)
-        if not 0 <= key < count:
-            raise IndexError(f"Index {index} is out of range for {count} records.")
-        return key
+        return record_key(index, len(self))
 
     def record_bytes(self, index: int) -> bytes:
         """The raw bytes of record ``index`` (before ``decode``)."""
@@ -259,7 +252,7 @@ class EncodedRecordSource:
             return self._records[key]
         except Exception as error:  # the reader's checksums fail as RuntimeErrors
             raise ValueError(
-                f"{self._locate(key)} cannot be read ({_reason(error)}): the file is damaged "
+                f"{self._locate(key)} cannot be read ({error_reason(error)}): the file is damaged "
                 f"or truncated. {_REWRITE}"
             ) from None
 
@@ -271,7 +264,7 @@ class EncodedRecordSource:
         except Exception as error:  # decode is the user's: any failure names the record
             raise ValueError(
                 f"{self._locate(key)} cannot be decoded by {_callable_name(self.decode)} "
-                f"({_reason(error)}; the record has {len(data)} bytes, starting "
+                f"({error_reason(error)}; the record has {len(data)} bytes, starting "
                 f"{data[:16]!r}). Check that decode matches how the file was written; if "
                 f"it does, the record is damaged. {_REWRITE}"
             ) from None

@@ -28,7 +28,7 @@ import numpy as np
 
 from meshkit._checks import check_int
 
-from ._array_record import IMAGE_RECORDS_FORMAT, sidecar_path
+from ._array_record import IMAGE_RECORDS_FORMAT, error_reason, sidecar_path
 from ._encoded import EncodedRecordSource
 from ._labels import check_labels
 
@@ -96,8 +96,7 @@ def decode_image_record(data: bytes) -> dict[str, Any]:
     try:
         record = msgpack.unpackb(data, raw=False)
     except Exception as error:  # msgpack raises several types for malformed input
-        reason = f"{type(error).__name__}: {error}".rstrip(": ")
-        raise ValueError(f"not a msgpack image record ({reason})") from None
+        raise ValueError(f"not a msgpack image record ({error_reason(error)})") from None
     if not isinstance(record, dict) or set(record) != {"image", "label"}:
         found = sorted(map(str, record)) if isinstance(record, dict) else type(record).__name__
         raise ValueError(
