@@ -1,32 +1,25 @@
-"""Orbax checkpoints of the train state and the data iterator's state, verified by a digest."""
+"""Checkpoint policy: which step to save or restore, fallback past damage, agreement of processes.
+
+The storage itself (Orbax, through ``_orbax.Storage``, and the digest) is below this
+module; nothing here names Orbax.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
-import json
 import warnings
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
-from meshkit.train._digest import tree_digest
-from meshkit.train._orbax_errors import (
-    collect_abandoned_reads,
-    one_line_orbax_errors,
-    os_error,
-    root_cause,
-    silence_abandoned_reads,
-)
-
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step folder still being written
+from meshkit.train._digest import digest_damage
+from meshkit.train._orbax import Storage, os_error, root_cause
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -91,32 +84,6 @@ def _everywhere(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _has_digest(folder: epath.Path) -> bool:
-    """Whether the checkpoint in ``folder`` was saved with a digest (an older one was not).
-
-    Orbax's step metadata lists the items saved, so a digest folder deleted later
-    still counts, and restoring it fails as damage.
-    """
-    if (folder / "digest").is_dir():
-        return True
-    try:
-        items = json.loads((folder / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return "digest" in items
-
-
-def _digest_differences(saved: dict[str, list[int]], read: dict[str, list[int]]) -> str:
-    """``""`` if the digests match, else which leaves differ."""
-    differ = [
-        path for path in sorted(saved.keys() | read.keys()) if saved.get(path) != read.get(path)
-    ]
-    if not differ:
-        return ""
-    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-    return f"{len(differ)} of {len(saved)} arrays differ from the digest saved with it ({shown})"
-
-
 class Checkpointer:
     """Saves and restores ``(train state, data state)`` pairs with Orbax, verified by a digest.
 
@@ -144,18 +111,12 @@ class Checkpointer:
             raise ValueError(f"save_every and keep must be >= 1, got {save_every} and {keep}.")
         self.directory = as_path(directory)
         self.save_every = save_every
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-            enable_async_checkpointing=True,
-            create=True,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._storage = Storage(self.directory, keep)
         self._pending: int | None = None  # the step of a save that may still be running
-        one_line_orbax_errors()
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or ``None``."""
-        return self._manager.latest_step()
+        return self._storage.latest_step()
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a save step (a multiple of ``save_every``).
@@ -174,16 +135,11 @@ class Checkpointer:
           CheckpointSaveError: the previous save failed in the background, or this
             one could not start (an ``OSError`` such as a full disk).
         """
-        if not force and not self._manager.should_save(step):
+        if not force and not self._storage.is_due(step):
             return False
         self._finish(step)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),  # pyright: ignore[reportCallIssue]
-            data=ocp.args.JsonSave(data_state),  # pyright: ignore[reportCallIssue]
-            digest=ocp.args.JsonSave(tree_digest(state)),  # pyright: ignore[reportCallIssue]
-        )
         try:
-            started = self._manager.save(step, args=args, force=force)
+            started = self._storage.start_save(step, state, data_state, force=force)
         except Exception as error:
             if os_error(error) is None:
                 raise
@@ -196,7 +152,7 @@ class Checkpointer:
 
         ``step``, the step training reached, goes into the message.
         """
-        if self._pending is not None and not self._manager.is_saving_in_progress():
+        if self._pending is not None and not self._storage.is_saving():
             self._finish(step)
 
     def _finish(self, stopped_at: int | None = None) -> None:
@@ -205,7 +161,7 @@ class Checkpointer:
             return
         step, self._pending = self._pending, None
         try:
-            self._manager.wait_until_finished()
+            self._storage.wait()
         except Exception as error:
             raise self._save_failed(step, error, stopped_at) from error
 
@@ -213,17 +169,10 @@ class Checkpointer:
         self, step: int, error: BaseException, stopped_at: int | None = None
     ) -> CheckpointSaveError:
         """Removes the partial folder of ``step``; the error to raise, in one line."""
-        for write in self._writes_of_last_save():  # they may still be writing into it
-            with contextlib.suppress(Exception):
-                write.result(timeout=60)
-        partial = sorted(self.directory.glob(f"{step}{_TMP_SUFFIX}*"))
-        for path in partial:
-            with contextlib.suppress(OSError):
-                path.rmtree()
+        partial = self._storage.remove_partial(step)
         system = os_error(error)
         full = system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
-        self._manager.reload()
-        latest = self._manager.latest_step()
+        latest = self._storage.latest_step()
         stopped = (
             f"Training stopped at step {stopped_at}"
             if stopped_at is not None
@@ -237,15 +186,6 @@ class Checkpointer:
             f"{system if system is not None else root_cause(error)}. {stopped}{removed}. "
             f"{fix}, then rerun the same command to {resume}."
         )
-
-    def _writes_of_last_save(self) -> list[Any]:
-        """Orbax's commit futures of the last save, which one item's failure leaves running.
-
-        Orbax keeps them privately; should it stop doing so, none are waited for.
-        """
-        checkpointer = getattr(self._manager, "_checkpointer", None)
-        commits = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
-        return list(commits or [])
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores the newest (or ``step``'s) checkpoint into ``target``'s structure and shardings.
@@ -261,37 +201,27 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
-        folder = self.directory / str(step)
-        verified = _has_digest(folder)
-        items: dict[str, Any] = {
-            "state": ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
-            "data": ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
-        }
-        if verified:
-            items["digest"] = ocp.args.JsonRestore()  # pyright: ignore[reportCallIssue]
-        silence_abandoned_reads()
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            read = self._storage.read(step, target)
         except Exception as error:
-            collect_abandoned_reads()
             self._raise_if_another_model(step, target, error)
             damage = f"it could not be read ({root_cause(error)})"
             agreed = jax.process_count() == 1  # other processes may have read their part
             raise self._damaged(step, damage, agreed=agreed) from error
-        if not verified:
+        if read.digest is None:
             warnings.warn(
                 f"The checkpoint of step {step} in {self.directory} has no digest (it was "
                 "written before meshkit saved one): restored without verification.",
                 stacklevel=2,
             )
         else:
-            damage = _digest_differences(dict(restored["digest"]), tree_digest(restored["state"]))
+            damage = digest_damage(read.digest, read.state)
             if not _everywhere(not damage):
                 raise self._damaged(step, damage or "another process read other values")
-        return restored["state"], dict(restored["data"])
+        return read.state, read.data
 
     def _damaged(self, step: int, damage: str, *, agreed: bool = True) -> CheckpointDamagedError:
-        folder = self.directory / str(step)
+        folder = self._storage.folder(step)
         return CheckpointDamagedError(
             f"The checkpoint of step {step} in {folder} is damaged: {damage}. Move that "
             "folder out of the checkpoints directory (or delete it) and rerun to resume "
@@ -313,7 +243,7 @@ class Checkpointer:
         raised and nothing is moved.
         """
         damaged: list[CheckpointDamagedError] = []
-        for step in sorted(self._manager.all_steps(), reverse=True):
+        for step in reversed(self._storage.steps()):
             try:
                 state, data = self.restore(target, step)
             except CheckpointDamagedError as error:
@@ -345,7 +275,7 @@ class Checkpointer:
 
     def _set_aside(self, step: int) -> epath.Path:
         """Moves step ``step``'s folder to ``<step>.damaged`` (process 0 moves, all wait)."""
-        folder = self.directory / str(step)
+        folder = self._storage.folder(step)
         aside, n = folder.with_name(f"{step}.damaged"), 1
         while aside.exists():
             n += 1
@@ -356,7 +286,7 @@ class Checkpointer:
             folder.rename(aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"meshkit checkpoint {step}: moved")
-        self._manager.reload()
+        self._storage.reload()
         return aside
 
     def _raise_if_another_model(self, step: int, target: Any, error: BaseException) -> None:
@@ -372,9 +302,8 @@ class Checkpointer:
 
     def _mismatches(self, step: int, target: Any) -> list[str]:
         """``"<leaf>: saved <shape>, now <shape>"`` for each leaf that differs or is in one only."""
-        try:
-            saved_tree = self._manager.item_metadata(step)["state"].tree
-        except Exception:  # no readable metadata: nothing to compare with
+        saved_tree = self._storage.saved_state(step)
+        if saved_tree is None:  # no readable metadata: nothing to compare with
             return []
         saved = _shapes_by_path(saved_tree)
         now = _shapes_by_path(target)
@@ -395,11 +324,11 @@ class Checkpointer:
     def wait(self) -> None:
         """Blocks until pending saves are on disk; raises ``CheckpointSaveError`` if one failed."""
         self._finish()
-        self._manager.wait_until_finished()
+        self._storage.wait()
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         try:
             self._finish()
         finally:
-            self._manager.close()
+            self._storage.close()

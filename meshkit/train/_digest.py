@@ -1,4 +1,4 @@
-"""A checksum of a pytree's bits, computed on the devices, the same on any mesh."""
+"""A checksum of a pytree's bits, computed on the devices, the same on any mesh, and its check."""
 
 from __future__ import annotations
 
@@ -81,3 +81,26 @@ def tree_digest(tree: Any) -> dict[str, list[int]]:
         ):
             sums[i] = s
     return {path_str(path): [int(v) for v in s] for path, s in zip(paths, sums, strict=True)}
+
+
+def digest_damage(saved: dict[str, list[int]], tree: Any) -> str:
+    """``""`` if ``tree``'s digest matches ``saved``, else which leaves differ, in a few words.
+
+    A collective with several processes, like ``tree_digest``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> saved = tree_digest({"w": jnp.ones(3)})
+        >>> digest_damage(saved, {"w": jnp.ones(3)})
+        ''
+        >>> digest_damage(saved, {"w": jnp.zeros(3)})
+        '1 of 1 arrays differ from the digest saved with it (w)'
+    """
+    read = tree_digest(tree)
+    differ = [
+        path for path in sorted(saved.keys() | read.keys()) if saved.get(path) != read.get(path)
+    ]
+    if not differ:
+        return ""
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return f"{len(differ)} of {len(saved)} arrays differ from the digest saved with it ({shown})"

@@ -1,0 +1,280 @@
+"""The one seam to Orbax: checkpoint storage through Orbax's public API, and its errors quieted.
+
+Everything in meshkit that names Orbax is here: the ``CheckpointManager`` and its
+options, the three items a checkpoint holds (the train state, the data state as JSON
+and the state's digest as JSON), the background-save checks, the removal of a failed
+save's partial folder, and the filters that keep Orbax's error reports to a line. With
+``_digest.py`` it forms the storage layer; the ``Checkpointer`` (``_checkpoint.py``)
+decides which step to save, restore or set aside and never sees Orbax.
+
+An Orbax upgrade that breaks meshkit breaks here. One private attribute is still read:
+see ``_unfinished_writes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import sys
+import traceback
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from meshkit.train._digest import tree_digest
+
+TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a step still being written
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What a checkpoint holds, as read.
+
+    Attributes:
+      state: the train state, in the restore target's structure and shardings.
+      data: the data iterator's state.
+      digest: the state's digest as saved, or ``None`` for a checkpoint saved without one.
+    """
+
+    state: Any
+    data: dict[str, Any]
+    digest: dict[str, list[int]] | None
+
+
+class Storage:
+    """Orbax's ``CheckpointManager`` over the step folders of ``directory``, latest ``keep`` kept.
+
+    Saves are asynchronous. Each checkpoint holds three items: ``state``, ``data`` and
+    ``digest`` (``tree_digest`` of the state, computed at the save).
+    """
+
+    def __init__(self, directory: epath.Path, keep: int):
+        self.directory = directory
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+            enable_async_checkpointing=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(directory, options=options)
+        one_line_orbax_errors()
+
+    def folder(self, step: int) -> epath.Path:
+        """The step folder of ``step``."""
+        return self.directory / str(step)
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def is_due(self, step: int) -> bool:
+        """Whether Orbax's own policy would save ``step`` unforced (an unsaved step, say)."""
+        return self._manager.should_save(step)
+
+    def start_save(self, step: int, state: Any, data: dict[str, Any], *, force: bool) -> bool:
+        """Starts writing ``state``, ``data`` and the state's digest; returns whether it did."""
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),  # pyright: ignore[reportCallIssue]
+            data=ocp.args.JsonSave(data),  # pyright: ignore[reportCallIssue]
+            digest=ocp.args.JsonSave(tree_digest(state)),  # pyright: ignore[reportCallIssue]
+        )
+        return self._manager.save(step, args=args, force=force)
+
+    def is_saving(self) -> bool:
+        """Whether a save is still being written; never waits."""
+        return self._manager.is_saving_in_progress()
+
+    def wait(self) -> None:
+        """Waits for the running save; raises what made it fail."""
+        self._manager.wait_until_finished()
+
+    def remove_partial(self, step: int) -> list[epath.Path]:
+        """Removes the partial folders of a failed save of ``step``; returns them."""
+        for write in _unfinished_writes(self._manager):  # they may still be writing into it
+            with contextlib.suppress(Exception):
+                write.result(timeout=60)
+        partial = sorted(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
+        for path in partial:
+            with contextlib.suppress(OSError):
+                path.rmtree()
+        self._manager.reload()
+        return partial
+
+    def has_digest(self, step: int) -> bool:
+        """Whether ``step`` was saved with a digest (one saved before meshkit wrote one was not).
+
+        Orbax's step metadata lists the items saved, so a digest folder deleted later
+        still counts, and reading the checkpoint fails as damage.
+        """
+        if (self.folder(step) / "digest").is_dir():
+            return True
+        try:
+            handlers = ocp.metadata.get_step_metadata(self.folder(step)).item_handlers
+        except Exception:  # no readable metadata: nothing says a digest was saved
+            return False
+        return isinstance(handlers, dict) and "digest" in handlers
+
+    def read(self, step: int, target: Any) -> Read:
+        """Reads ``step`` into ``target``'s structure and shardings (no verification here)."""
+        with_digest = self.has_digest(step)
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
+            "data": ocp.args.JsonRestore(),  # pyright: ignore[reportCallIssue]
+        }
+        if with_digest:
+            items["digest"] = ocp.args.JsonRestore()  # pyright: ignore[reportCallIssue]
+        silence_abandoned_reads()
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception:
+            collect_abandoned_reads()
+            raise
+        digest = dict(restored["digest"]) if with_digest else None
+        return Read(state=restored["state"], data=dict(restored["data"]), digest=digest)
+
+    def saved_state(self, step: int) -> Any | None:
+        """The saved state's tree of leaf metadata (each with a ``shape``), or ``None``."""
+        try:
+            return self._manager.item_metadata(step)["state"].tree
+        except Exception:  # no readable metadata
+            return None
+
+    def reload(self) -> None:
+        """Reads the step folders again (after one was moved or removed)."""
+        self._manager.reload()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _unfinished_writes(manager: ocp.CheckpointManager) -> list[Any]:
+    """The commit futures of ``manager``'s last save: this module's only private read of Orbax.
+
+    Why: when one item of a save fails (the JSON data item on a full disk), Orbax's
+    background thread fails at once while the other items' writes (TensorStore's
+    array chunks) keep writing into the step's tmp folder. Removing that folder must
+    wait for them, and Orbax has no public handle on them: ``wait_until_finished``
+    returns at the first failure. Orbax 0.12 keeps them at
+    ``manager._checkpointer._async_manager._commit_futures``. Should it stop doing so,
+    the ``getattr`` chain yields none and nothing is waited for: the partial folder is
+    then removed while chunks may still be written into it, and can be left behind.
+    """
+    checkpointer = getattr(manager, "_checkpointer", None)
+    commits = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
+    return list(commits or [])
+
+
+# Orbax's errors, read and quieted.
+#
+# A failed Orbax save or restore is reported many times over: by several of Orbax's
+# threads with full tracebacks, by asyncio for each read it abandoned, and by
+# TensorStore's threads finishing reads after Orbax's event loop closed. The
+# ``Checkpointer`` raises one error that names the damage and chains the first
+# failure; the functions below keep the rest to a line each, or drop them.
+
+
+def chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from, outermost first."""
+    links = [error]
+    while (cause := links[-1].__cause__ or links[-1].__context__) and cause not in links:
+        links.append(cause)
+    return links
+
+
+def root_cause(error: BaseException, limit: int = 300) -> str:
+    """The innermost exception's first line (Orbax wraps TensorStore's own message).
+
+    TensorStore's JSON spec, appended to its messages, is left out.
+    """
+    root = chain(error)[-1]
+    line = (str(root).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    return f"{type(root).__name__}: {line if len(line) <= limit else line[: limit - 3] + '...'}"
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``error``'s chain (``ENOSPC`` for a full disk), if any."""
+    return next((e for e in chain(error) if isinstance(e, OSError)), None)
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Keeps Orbax's error records to their first line.
+
+    A failed background save is logged by several Orbax threads, each with the full
+    traceback; the ``CheckpointSaveError`` raised for it carries that traceback once.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "orbax" in record.pathname:
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ONE_LINE = _OneLineOrbaxErrors()
+
+
+def one_line_orbax_errors() -> None:
+    """Keeps Orbax's logged errors to one line each from now on (idempotent)."""
+    logging.getLogger("absl").addFilter(_ONE_LINE)  # a no-op when already there
+
+
+def collect_abandoned_reads() -> None:
+    """Collects the reads a failed restore abandoned, so that they are reported (silenced) now."""
+    gc.collect()
+
+
+def _raised_in_orbax(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one it was raised from) passed through Orbax's code."""
+    for link in chain(error) if error is not None else []:
+        frames = traceback.extract_tb(link.__traceback__)
+        if any("orbax" in frame.filename for frame in frames):
+            return True
+    return False
+
+
+def _abandoned_read(exc_value: BaseException | None) -> bool:
+    """Whether an unretrieved exception comes from a read that a failed restore abandoned.
+
+    Either it was raised in Orbax, or it is TensorStore finishing a read after Orbax
+    closed the event loop that was waiting for it.
+    """
+    if exc_value is None:
+        return False
+    frames = traceback.extract_tb(exc_value.__traceback__)
+    closed_loop = isinstance(exc_value, RuntimeError) and any(
+        frame.name == "call_soon_threadsafe" for frame in frames
+    )
+    return closed_loop or _raised_in_orbax(exc_value)
+
+
+class _DropAbandonedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for abandoned reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _abandoned_read(record.exc_info[1]))
+
+
+def silence_abandoned_reads() -> None:
+    """Silences the reports of the reads that a failed Orbax restore abandons.
+
+    When one array read fails, Orbax stops waiting for the others, and Python,
+    asyncio and TensorStore's threads report each one as it ends or is collected,
+    with TensorStore's full spec: dozens of lines per array, some of them after the
+    restore has returned. The ``CheckpointDamagedError`` raised instead names the
+    damage and chains the first failure. Installed at the first restore, for the rest
+    of the process; every other report goes to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if not getattr(previous, "drops_abandoned_reads", False):
+
+        def hook(unraisable: Any) -> None:
+            if not _abandoned_read(unraisable.exc_value):
+                previous(unraisable)
+
+        hook.drops_abandoned_reads = True  # pyright: ignore[reportFunctionMemberAccess]
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_DropAbandonedReads())
