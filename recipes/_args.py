@@ -38,18 +38,17 @@ def recipe_parser(
     return parser
 
 
-def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool = True) -> None:
+def add_training_options(parser: argparse.ArgumentParser) -> None:
     """Adds the options of a training recipe: precision, schedule, micro-batches, records.
 
-    ``--precision`` (``f32``, ``bf16``, ``f16``; ``f16`` only with ``microbatches``,
-    the data-parallel step's loss scaling), ``--lr-schedule`` (``constant`` or
-    ``cosine``, decaying to 0 at the last step), ``--warmup-steps`` (a linear ramp from
-    0), ``--tensorboard``, ``--profile-steps FIRST,COUNT``, and with ``microbatches``,
-    ``--microbatches``.
+    ``--precision`` (``f32``, ``bf16``, ``f16`` with dynamic loss scaling),
+    ``--lr-schedule`` (``constant`` or ``cosine``, decaying to 0 at the last step),
+    ``--warmup-steps`` (a linear ramp from 0), ``--tensorboard``,
+    ``--profile-steps FIRST,COUNT`` and ``--microbatches``.
     """
     parser.add_argument(
         "--precision",
-        choices=["f32", "bf16", "f16"] if microbatches else ["f32", "bf16"],
+        choices=["f32", "bf16", "f16"],
         default="f32",
         help="compute dtype; parameters and optimizer state stay float32",
     )
@@ -68,13 +67,12 @@ def add_training_options(parser: argparse.ArgumentParser, *, microbatches: bool 
         metavar="FIRST,COUNT",
         help="a jax.profiler trace of COUNT steps from step FIRST in <workdir>/profile",
     )
-    if microbatches:
-        parser.add_argument(
-            "--microbatches",
-            type=int,
-            default=1,
-            help="accumulate gradients over this many micro-batches of each batch",
-        )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="accumulate gradients over this many micro-batches of each batch",
+    )
 
 
 def hyperparameters(args: argparse.Namespace, *recipe_specific: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ Other runs::
     python -m recipes.ensemble --same-batches                  # the HOWTO's shared batches
     python -m recipes.ensemble --dataset mnist --data-dir ~/mnist --steps 2000
     python -m recipes.ensemble --precision bf16 --lr-schedule cosine --tensorboard
+    python -m recipes.ensemble --precision f16 --microbatches 2  # a loss scale per member
 
 The HOWTO's settings are the defaults: SGD with learning rate 0.1 and momentum 0.9,
 batch size 32. Each member visits the training set in its own order (more diverse
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
-    add_training_options(parser, microbatches=False)
+    add_training_options(parser)
     return parser.parse_args(argv)
 
 
@@ -141,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         model, tx, layout, seed=args.seed, precision=args.precision
     )
     step = ensemble.make_ensemble_step(
-        ensemble.classification_loss, layout, member_batches=not args.same_batches
+        ensemble.classification_loss,
+        layout,
+        member_batches=not args.same_batches,
+        microbatches=args.microbatches,
     )
     train.write_run_config(args.workdir, train.run_config(args, mesh))
     if jax.process_index() == 0:

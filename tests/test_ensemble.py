@@ -319,7 +319,11 @@ def test_a_train_loss_reports_its_own_metrics_for_every_member():
     metrics = meshkit.to_host(step(state, meshkit.shard_batch(batch, layout.batch_sharding))[1])
     assert sorted(metrics) == sorted(
         ["loss", "grad_norm"]
-        + [ensemble.member_metric_name(i, n) for i in range(2) for n in ("loss", "margin", "count")]
+        + [
+            ensemble.member_metric_name(i, n)
+            for i in range(2)
+            for n in ("loss", "grad_norm", "margin", "count")
+        ]
     )
     np.testing.assert_allclose(ensemble.per_member(metrics, "loss"), expected, rtol=1e-5)
     np.testing.assert_allclose(

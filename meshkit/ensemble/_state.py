@@ -35,17 +35,6 @@ def member_keys(seed: int, num_members: int) -> jax.Array:
     return jax.vmap(lambda index: jax.random.fold_in(base, index))(jnp.arange(num_members))
 
 
-def _policy(precision: Precision | str | None) -> Precision:
-    """The ensemble's precision policy; float16 (which needs loss scaling) is refused."""
-    policy = Precision.of(precision)
-    if policy.loss_scaling:
-        raise ValueError(
-            f"Ensembles train in float32 or bfloat16, got precision={policy.name!r}: float16 "
-            "needs loss scaling, which the ensemble step does not do. Use precision='bf16'."
-        )
-    return policy
-
-
 def _init_ensemble(
     model: Model,
     tx: optax.GradientTransformation,
@@ -85,7 +74,7 @@ def abstract_ensemble_state(
         >>> abstract.params["kernel"].shape, abstract.step.shape
         ((4, 5, 3), (4,))
     """
-    policy = _policy(precision)
+    policy = Precision.of(precision)
     shapes = jax.eval_shape(lambda: _init_ensemble(model, tx, layout.num_members, seed, policy))
     sharding = layout.state_sharding
     return jax.tree.map(
@@ -109,8 +98,9 @@ def create_ensemble_state(
     (``member_keys``), split into its init key and its dropout key as
     ``create_train_state`` does. The state is created by a jit with those
     ``out_shardings``: each device only ever allocates its own members.
-    ``precision`` is ``"f32"`` (default) or ``"bf16"``: members compute in bfloat16
-    and keep float32 parameters, as ``create_train_state`` does.
+    ``precision`` is ``"f32"`` (default), ``"bf16"`` or ``"f16"``, as for
+    ``create_train_state``: members compute in that dtype and keep float32
+    parameters; with ``"f16"`` each member carries its own dynamic loss scale.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -122,7 +112,7 @@ def create_ensemble_state(
         >>> kernels.shape, bool(np.allclose(kernels[0], kernels[1]))
         ((4, 5, 3), False)
     """
-    policy = _policy(precision)
+    policy = Precision.of(precision)
     return jax.jit(
         lambda: _init_ensemble(model, tx, layout.num_members, seed, policy),
         out_shardings=layout.state_sharding,  # a prefix: every leaf P('ensemble')

@@ -19,13 +19,21 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
 from meshkit._types import Batch, Metrics
 from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import flatten_member_metrics
 from meshkit.ensemble._state import num_members_of
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
-from meshkit.train import LossOutput, TrainState, apply_model
+from meshkit.train import (
+    Gradients,
+    LossOutput,
+    TrainState,
+    apply_model,
+    apply_update,
+    gradients,
+)
 
 
 class MemberOutput(NamedTuple):
@@ -82,19 +90,6 @@ def classification_loss(
     return loss, MemberOutput(collections, {"accuracy": accuracy}, logits)
 
 
-class _MemberResult(NamedTuple):
-    grads: Any
-    collections: Mapping[str, Any]
-    metrics: dict[str, jax.Array]
-
-
-class _MemberScalars(NamedTuple):
-    """Every member's scalars, ``[K]`` each: its metrics by name and its squared grad norm."""
-
-    metrics: Metrics
-    grad_norm_sq: jax.Array
-
-
 def _pmean_floats(tree: Any, axis: str) -> Any:
     """``pmean`` of every floating-point leaf, as one collective (integers are kept)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -105,29 +100,34 @@ def _pmean_floats(tree: Any, axis: str) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _member_grads(
-    loss_fn: MemberLossFn, member: TrainState, batch: Batch, layout: EnsembleLayout
-) -> tuple[_MemberResult, jax.Array | None]:
-    """One member's loss and gradient on this device's rows (not yet averaged), and logits."""
+def _member_gradients(
+    loss_fn: MemberLossFn,
+    member: TrainState,
+    batch: Batch,
+    layout: EnsembleLayout,
+    microbatches: int,
+) -> Gradients:
+    """One member's loss and gradients on this device's rows (not yet averaged)."""
     rng = member.step_rng()
-    params = member.params
     if layout.batch_axis is not None:
         if layout.data_size > 1:  # each row block draws its own dropout masks
             rng = jax.random.fold_in(rng, jax.lax.axis_index(layout.batch_axis))
-        # Differentiate a per-device copy: its gradient is this device's own, which the
-        # caller averages with pmean. (The gradient of the replicated params themselves
-        # would come back already summed over the data axis.)
-        params = jax.lax.pcast(params, layout.batch_axis, to="varying")
-    (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, member, batch, rng)
-    result = _MemberResult(grads, dict(out.collections), {"loss": loss, **out.metrics})
-    return result, getattr(out, "logits", None)
+        # Differentiate per-device copies: their gradient is this device's own, which
+        # the caller averages with pmean (the gradient of the replicated params would
+        # come back already summed over the data axis); the collections, updated from
+        # this device's rows, are per-device too until that pmean.
+        varying = jax.lax.pcast(
+            (member.params, member.collections), layout.batch_axis, to="varying"
+        )
+        member = member.replace(params=varying[0], collections=varying[1])
+    return gradients(loss_fn, member, batch, rng, microbatches=microbatches)
 
 
-def _local_member_scalars(results: _MemberResult, layout: EnsembleLayout) -> _MemberScalars:
-    """This device's members' metrics and squared gradient norms, in their columns of K.
+def _local_member_columns(metrics_M: Metrics, layout: EnsembleLayout) -> Metrics:
+    """This device's members' metrics, ``[K]`` each, in their columns (zeros elsewhere).
 
-    The other members' columns are zeros, so one ``psum`` over the ensemble axis
-    assembles every member's values on every device.
+    One ``psum`` over the ensemble axis then assembles every member's values on every
+    device.
     """
     first = jax.lax.axis_index(layout.ensemble_axis) * layout.members_per_device
 
@@ -135,10 +135,7 @@ def _local_member_scalars(results: _MemberResult, layout: EnsembleLayout) -> _Me
         zeros_K = jnp.zeros(layout.num_members, jnp.float32)
         return jax.lax.dynamic_update_slice(zeros_K, values_M.astype(jnp.float32), (first,))
 
-    return _MemberScalars(
-        metrics={name: in_member_columns(values) for name, values in results.metrics.items()},
-        grad_norm_sq=in_member_columns(jax.vmap(optax.tree.norm)(results.grads) ** 2),
-    )
+    return {name: in_member_columns(values) for name, values in metrics_M.items()}
 
 
 def _ensemble_metrics(probs: jax.Array, labels: jax.Array, layout: EnsembleLayout) -> Metrics:
@@ -155,21 +152,25 @@ def _body(
     layout: EnsembleLayout,
     member_batches: bool,
     strategy: Literal["vmap", "loop"],
-) -> Callable[..., tuple[TrainState, _MemberScalars, Metrics]]:
-    """The per-device step: ``(members, batch) -> (members, member scalars, ensemble metrics)``.
+    microbatches: int,
+) -> Callable[..., tuple[TrainState, Metrics, Metrics]]:
+    """The per-device step: ``(members, batch) -> (members, [K] metrics, ensemble metrics)``.
 
-    The device's members run as ``strategy`` says (``map_members``). Collectives: one
-    ``pmean`` over the data axis (every member's gradients, metrics and batch
-    statistics together), one ``psum`` over the ensemble axis (metrics and
-    probabilities together) and, with D > 1, one ``pmean`` of the ensemble metrics.
+    Each member's gradients come from the train step's own core (``gradients``, with
+    its loss scale and micro-batches), run as ``strategy`` says (``map_members``), and
+    its update from ``apply_update`` (the float16 overflow skip included) mapped over
+    the device's members. Collectives: one ``pmean`` over the data axis (every
+    member's gradients, metrics and batch statistics together), one ``psum`` over the
+    ensemble axis (metrics and probabilities together) and, with D > 1, one ``pmean``
+    of the ensemble metrics.
     """
     member_axis_of_batch = 1 if member_batches else None  # [rows, members, ...] or shared
 
-    def member_step(member: TrainState, batch: Batch) -> tuple[_MemberResult, jax.Array | None]:
-        return _member_grads(loss_fn, member, batch, layout)
+    def member_step(member: TrainState, batch: Batch) -> Gradients:
+        return _member_gradients(loss_fn, member, batch, layout, microbatches)
 
-    def body(state: TrainState, batch: Batch) -> tuple[TrainState, _MemberScalars, Metrics]:
-        results, logits_MxBxC = map_members(
+    def body(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics, Metrics]:
+        grads_M = map_members(
             member_step,
             strategy,
             layout.members_per_device,
@@ -177,39 +178,48 @@ def _body(
             dict(batch),
             in_axes=(0, member_axis_of_batch),
         )
+        logits_MxBxC = getattr(grads_M.output, "logits", None)
+        if logits_MxBxC is not None:  # per row: not averaged over the data axis
+            grads_M = grads_M._replace(output=grads_M.output._replace(logits=None))
         if layout.batch_axis is not None:
-            results = _pmean_floats(results, layout.batch_axis)
-        collections = results.collections or None
-        state = jax.vmap(lambda s, g, c: s.apply_gradients(g, c))(state, results.grads, collections)
+            grads_M = _pmean_floats(grads_M, layout.batch_axis)
+        state, metrics_M = jax.vmap(apply_update)(state, grads_M)
         if member_batches or "label" not in batch:
             logits_MxBxC = None  # members on different rows: no ensemble prediction
         probs_sum = 0 if logits_MxBxC is None else jax.nn.softmax(logits_MxBxC).sum(0)
-        scalars, probs_sum = jax.lax.psum(
-            (_local_member_scalars(results, layout), jnp.asarray(probs_sum)), layout.ensemble_axis
+        metrics_K, probs_sum = jax.lax.psum(
+            (_local_member_columns(metrics_M, layout), jnp.asarray(probs_sum)),
+            layout.ensemble_axis,
         )
         ensemble_metrics: Metrics = {}
         if logits_MxBxC is not None:
             probs = probs_sum / layout.num_members
             ensemble_metrics = _ensemble_metrics(probs, batch["label"], layout)
-        return state, scalars, ensemble_metrics
+        return state, metrics_K, ensemble_metrics
 
     return body
 
 
-def _metrics(scalars: _MemberScalars, ensemble_metrics: Metrics, member_metrics: bool) -> Metrics:
-    """The step's scalars, from every member's metrics and squared gradient norm."""
+def _metrics(metrics_K: Metrics, ensemble_metrics: Metrics, member_metrics: bool) -> Metrics:
+    """The step's scalars, from every member's metrics.
+
+    ``loss`` is the members' mean, ``grad_norm`` the norm of all members' gradients
+    together, and with float16 ``skipped`` the fraction of members whose step was skipped.
+    """
     metrics = {
-        "loss": scalars.metrics["loss"].mean(),
-        "grad_norm": jnp.sqrt(scalars.grad_norm_sq.sum()),
+        "loss": metrics_K["loss"].mean(),
+        "grad_norm": jnp.sqrt(jnp.sum(metrics_K["grad_norm"] ** 2)),
         **ensemble_metrics,
     }
+    if "skipped" in metrics_K:
+        metrics["skipped"] = metrics_K["skipped"].mean()
     if not member_metrics:
         return metrics
-    return {**metrics, **flatten_member_metrics(scalars.metrics)}
+    return {**metrics, **flatten_member_metrics(metrics_K)}
 
 
 def _check_inputs(
-    state: TrainState, batch: Batch, layout: EnsembleLayout, member_batches: bool
+    state: TrainState, batch: Batch, layout: EnsembleLayout, member_batches: bool, microbatches: int
 ) -> None:
     """Trace-time checks (shapes are static), before shard_map reports them less clearly."""
     num_members = num_members_of(state)
@@ -221,10 +231,13 @@ def _check_inputs(
         )
     for key, value in batch.items():
         shape = tuple(value.shape)
-        if not shape or shape[0] % layout.data_size:
+        if not shape or shape[0] % (layout.data_size * microbatches):
+            split = "" if microbatches == 1 else f" times microbatches={microbatches}"
             raise ValueError(
                 f"Batch field {key!r} has shape {shape}: its rows must be a multiple of the "
-                f"{layout.data_size} devices of the {layout.data_axis!r} axis ({layout!r})."
+                f"{layout.data_size} devices of the {layout.data_axis!r} axis{split} "
+                f"({layout!r}). Change the batch size"
+                + ("." if microbatches == 1 else " or the number of micro-batches.")
             )
         if member_batches and (len(shape) < 2 or shape[1] != layout.num_members):
             raise ValueError(
@@ -243,6 +256,7 @@ def make_ensemble_step(
     member_metrics: bool = True,
     donate: bool = True,
     strategy: MemberStrategy = "auto",
+    microbatches: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """A jitted ``step(state, batch) -> (state, metrics)`` training all K members at once.
 
@@ -253,7 +267,12 @@ def make_ensemble_step(
     each device's members (batched or one after the other: ``strategy``) on its rows of
     the batch; each member's gradient is averaged over the data axis (``pmean``) and its
     optimizer update applied. Members never mix: a member's parameters only ever see
-    its own gradient.
+    its own gradient. The gradients and the update are the data-parallel train step's
+    own (``meshkit.train.gradients`` and ``meshkit.train.apply_update``), so
+    micro-batches and float16 loss scaling work here as they do there: with
+    ``create_ensemble_state(..., precision="f16")`` every member has its own loss
+    scale, and a member whose gradients overflow skips its update while the others
+    apply theirs.
 
     Batch statistics (``batch_stats``) are computed per device over its rows, like a
     ``pmap``'d BatchNorm without ``axis_name``, and the updated running averages are
@@ -265,8 +284,10 @@ def make_ensemble_step(
 
     - ``loss``: the mean of the members' losses (what is minimised); ``grad_norm``:
       the global norm of all members' gradients;
-    - ``member_<i>/loss`` and ``member_<i>/<metric>`` for every metric of ``loss_fn``
-      (read them back with ``per_member``);
+    - ``member_<i>/loss``, ``member_<i>/grad_norm`` and ``member_<i>/<metric>`` for
+      every metric of ``loss_fn`` (read them back with ``per_member``);
+    - with float16, ``member_<i>/skipped`` and ``member_<i>/loss_scale``, and
+      ``skipped``: the fraction of members whose step was skipped;
     - ``ensemble_loss`` and ``ensemble_accuracy`` of the averaged member probabilities
       on the training batch, when ``loss_fn`` returns ``MemberOutput`` logits and the
       members share the batch.
@@ -292,6 +313,10 @@ def make_ensemble_step(
         fast on GPUs and TPUs), ``"loop"`` (one after the other as plain networks;
         fast on CPUs) or ``"auto"`` (the default: by the devices' platform). Both
         train the same members, to float rounding (tested against each other).
+      microbatches: split the batch into this many micro-batches whose gradients are
+        accumulated before each member's one update, as ``meshkit.train.make_train_step``
+        does; the global batch size must be a multiple of ``microbatches`` times the
+        devices of the data axis.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, meshkit
@@ -310,20 +335,21 @@ def make_ensemble_step(
         (2,)
     """
     resolved = resolve_strategy(strategy, layout)
+    check_int(microbatches, name="microbatches", minimum=1)
     batch_spec = layout.batch_spec
     if member_batches:
         batch_spec = PartitionSpec(layout.batch_axis, layout.ensemble_axis)
     mapped = jax.shard_map(
-        _body(loss_fn, layout, member_batches, resolved),
+        _body(loss_fn, layout, member_batches, resolved, microbatches),
         mesh=layout.mesh,
         in_specs=(layout.member_spec, batch_spec),
         out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
     )
 
     def ensemble_train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        _check_inputs(state, batch, layout, member_batches)
-        state, scalars, ensemble_metrics = mapped(state, dict(batch))
-        return state, _metrics(scalars, ensemble_metrics, member_metrics)
+        _check_inputs(state, batch, layout, member_batches, microbatches)
+        state, metrics_K, ensemble_metrics = mapped(state, dict(batch))
+        return state, _metrics(metrics_K, ensemble_metrics, member_metrics)
 
     replicated = replicated_sharding(layout.mesh)
     return jax.jit(

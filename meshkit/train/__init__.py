@@ -8,6 +8,11 @@ from meshkit.train._checkpoint import abstract_like as abstract_like
 from meshkit.train._config import run_config as run_config
 from meshkit.train._config import write_run_config as write_run_config
 from meshkit.train._digest import tree_digest as tree_digest
+from meshkit.train._gradients import Gradients as Gradients
+from meshkit.train._gradients import LossFn as LossFn
+from meshkit.train._gradients import LossOutput as LossOutput
+from meshkit.train._gradients import apply_update as apply_update
+from meshkit.train._gradients import gradients as gradients
 from meshkit.train._hooks import Boundary as Boundary
 from meshkit.train._hooks import EarlyStopping as EarlyStopping
 from meshkit.train._hooks import Hook as Hook
@@ -27,14 +32,11 @@ from meshkit.train._state import linen_model as linen_model
 from meshkit.train._state import nnx_model as nnx_model
 from meshkit.train._state import state_shardings_of as state_shardings_of
 from meshkit.train._state import train_state_shardings as train_state_shardings
-from meshkit.train._step import LossFn as LossFn
-from meshkit.train._step import LossOutput as LossOutput
 from meshkit.train._step import apply_model as apply_model
 from meshkit.train._step import classification_loss as classification_loss
 from meshkit.train._step import classification_metrics as classification_metrics
 from meshkit.train._step import make_train_step as make_train_step
 from meshkit.train._step import train_step_fn as train_step_fn
-from meshkit.train._step import unrolls_microbatches as unrolls_microbatches
 from meshkit.train._writers import JsonlWriter as JsonlWriter
 from meshkit.train._writers import MetricWriter as MetricWriter
 from meshkit.train._writers import TensorBoardWriter as TensorBoardWriter
