@@ -7,7 +7,13 @@ import json
 import os
 from typing import Any
 
-from meshkit._paths import as_path
+from etils import epath
+
+
+def workdir_path(value: str) -> epath.Path:
+    """``--workdir``: an object-store URI as it is (``gs://...``), a local path made absolute."""
+    path = epath.Path(value)
+    return path if "://" in value else path.absolute()
 
 
 def recipe_parser(
@@ -23,8 +29,8 @@ def recipe_parser(
     if workdir is not None:
         parser.add_argument(
             "--workdir",
-            type=as_path,
-            default=as_path(workdir),
+            type=workdir_path,
+            default=workdir_path(workdir),
             help="a local folder or an object-store URI such as gs://bucket/run",
         )
     parser.add_argument(
