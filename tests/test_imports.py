@@ -62,3 +62,42 @@ def test_the_graph_is_seen():
 def test_no_import_cycles():
     cycles = _cycles(import_graph())
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in ``path`` names, relative imports resolved."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path.parent)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _formats_imports(path: Path) -> set[str]:
+    """The imports in ``path`` that reach the formats, directly or through the face."""
+    return {
+        name
+        for name in _imported_modules(path)
+        if name == "meshkit.data" or name.startswith("meshkit.data.formats")
+    }
+
+
+@pytest.mark.once
+def test_the_data_core_imports_no_format():
+    # The core (meshkit/data/_*.py) and the image operations read any Source; the
+    # formats import them, never the reverse, even inside a function.
+    data = ROOT / "data"
+    core = sorted([*data.glob("_*.py"), *(data / "image").glob("*.py")])
+    core = [path for path in core if path.name != "__init__.py" or path.parent != data]
+    assert {path.stem for path in data.glob("_*.py")} >= {"_source", "_pipeline", "_iterator"}
+    reached = {_module_name(path): _formats_imports(path) for path in core}
+    assert not any(reached.values()), {name: sorted(t) for name, t in reached.items() if t}
+    formats = data / "formats" / "_image_records.py"
+    # The check sees relative imports and imports inside functions.
+    assert {"meshkit.data.formats._encoded", "meshkit.data"} <= _formats_imports(formats)

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from meshkit.data._labels import LABEL_FIELD, check_label_options, check_labels
+
 from ._array_record import error_reason, record_key
-from ._labels import LABEL_FIELD, check_label_options, check_labels
 
 Decode = Callable[[bytes], dict[str, Any]]
 """Turns one record's bytes into an example: field name -> array (or ``bytes``)."""

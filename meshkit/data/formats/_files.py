@@ -6,7 +6,7 @@ expected.
 
 Security: CIFAR's official format is Python pickle, and a plain ``pickle.load`` runs
 any function the file names. CIFAR files are read with a restricted unpickler
-(``meshkit.data._unpickle``) that rebuilds dicts, lists, bytes, numbers and numpy
+(``meshkit.data.formats._unpickle``) that rebuilds dicts, lists, bytes, numbers and numpy
 arrays only and refuses a file naming any other global before calling it. Converting
 them once with ``python -m meshkit.data.convert`` to ArrayRecord (raw bytes only)
 leaves no pickle to read at all.
@@ -23,8 +23,9 @@ from typing import Literal
 
 import numpy as np
 
-from ._labels import check_labels
-from ._source import ArraySource
+from meshkit.data._labels import check_labels
+from meshkit.data._source import ArraySource
+
 from ._unpickle import load_cifar_pickle
 
 IDX_IMAGES_MAGIC = 2051

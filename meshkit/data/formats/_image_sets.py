@@ -56,7 +56,7 @@ def _scan_folder(
 
 def _reencode(data: bytes, file: Path, format: ImageFormat, quality: int) -> bytes:
     """The image in ``file`` (its bytes ``data``) decoded and encoded again as ``format``."""
-    from . import image as image_ops
+    from meshkit.data import image as image_ops
 
     try:
         pixels = image_ops.decode(data, channels=None)
@@ -137,7 +137,7 @@ def to_uint8_images(
     """uint8 ``[N, size, size, C]`` images from uint8 or float ``[0, 1]`` ``[N, H, W, C]`` ones.
 
     ``size`` resizes bilinearly (half-pixel centres, see
-    :func:`meshkit.data._digits.interpolation_matrix`); ``rgb`` repeats a gray channel.
+    :func:`meshkit.data.formats._digits.interpolation_matrix`); ``rgb`` repeats a gray channel.
 
     Examples:
         >>> to_uint8_images(np.ones((2, 8, 8, 1), np.float32), size=16, rgb=True).shape

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ._labels import LABEL_FIELD, check_label_dtype, check_label_options, check_labels
-from ._source import Record, Source, source_fingerprint
+from meshkit.data._labels import LABEL_FIELD, check_label_dtype, check_label_options, check_labels
+from meshkit.data._source import Record, Source, source_fingerprint
 
 FORMAT = "meshkit.array_record.v1"
 """The ``format`` entry of every sidecar this module writes."""
@@ -158,7 +158,7 @@ def write_array_record(source: Source, path: str | Path) -> Path:
 
     Examples:
         >>> import tempfile
-        >>> from meshkit.data._digits import digits
+        >>> from meshkit.data import digits
         >>> path = write_array_record(digits("test"), f"{tempfile.mkdtemp()}/test.array_record")
         >>> len(ArrayRecordSource(path))
         360
@@ -307,7 +307,7 @@ class ArrayRecordSource:
 
     Examples:
         >>> import tempfile
-        >>> from meshkit.data._digits import synthetic
+        >>> from meshkit.data import synthetic
         >>> path = f"{tempfile.mkdtemp()}/synthetic.array_record"
         >>> source = ArrayRecordSource(write_array_record(synthetic(8, (4, 4, 3)), path))
         >>> len(source), source[3]["image"].shape, source.getitems([0, 5])["label"].shape

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._source import ArraySource
+from meshkit.data._source import ArraySource
 
 NUM_DIGITS = 1797
 """Examples in scikit-learn's digits set."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._labels import LABEL_FIELD, check_labels
+from meshkit.data._labels import LABEL_FIELD, check_labels
 
 
 def _import_tfds() -> Any:

@@ -1,59 +1,23 @@
-"""Image operations for input pipelines: decode, crop, flip, normalise (numpy + Pillow).
+"""Image operations: decode, encode, resize, crop, flip, normalise (numpy + Pillow).
 
 Every random operation takes a ``np.random.Generator`` and draws from it in a fixed
 order, so the pipeline's per-example generator (seeded by the example's global
 position) makes augmentation exact and independent of the process layout.
-``train_transform`` and ``eval_transform`` assemble the usual classification
-transforms as small frozen dataclasses: they pickle, so Grain worker processes can run
-them.
 
 Images are ``uint8`` arrays of shape ``(height, width, channels)``; sizes are an
-``int`` (a square) or a ``(height, width)`` pair.
-
-Examples:
-    >>> import numpy as np
-    >>> from meshkit.data import image
-    >>> rng = np.random.default_rng(0)
-    >>> pixels = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
-    >>> transform = image.train_transform(32, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD)
-    >>> out = transform({"image": image.encode(pixels), "label": np.int64(3)}, rng)
-    >>> out["image"].shape, out["image"].dtype, out["label"].dtype
-    ((32, 32, 3), dtype('float32'), dtype('int32'))
+``int`` (a square) or a ``(height, width)`` pair. The argument checks shared with the
+transforms (``as_hw``, ``check_range``, ``check_image``, ``check_resample``,
+``channel_stats``) live here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
-
-from meshkit.data._source import Record
-
-__all__ = [
-    "CIFAR10_MEAN",
-    "CIFAR10_STD",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "EvalTransform",
-    "TrainTransform",
-    "center_crop",
-    "decode",
-    "decode_and_random_crop",
-    "encode",
-    "eval_transform",
-    "horizontal_flip",
-    "normalize",
-    "random_crop",
-    "random_crop_box",
-    "random_resized_crop",
-    "resize",
-    "train_transform",
-]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 """ImageNet's per-channel (RGB) mean, for pixel values scaled to [0, 1]."""
@@ -72,15 +36,17 @@ Encoded = bytes | np.ndarray
 Box = tuple[int, int, int, int]
 """A crop box ``(top, left, height, width)`` in pixels."""
 
+MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+"""Pillow's image mode for each number of channels an image may have."""
+
 _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 _DECODE_FORMATS = ("JPEG", "PNG")
-_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
 # ---------------------------------------------------------------------------- checks
 
 
-def _hw(size: Size, *, name: str = "size") -> tuple[int, int]:
+def as_hw(size: Size, *, name: str = "size") -> tuple[int, int]:
     """``size`` as ``(height, width)`` of positive ints."""
     pair = (size, size) if isinstance(size, int | np.integer) else size
     if (
@@ -96,9 +62,10 @@ def _hw(size: Size, *, name: str = "size") -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _range(
+def check_range(
     value: tuple[float, float], *, name: str, upper: float = math.inf
 ) -> tuple[float, float]:
+    """``value`` as a ``(low, high)`` pair of floats with ``0 < low <= high <= upper``."""
     try:
         low, high = (float(v) for v in value)
     except (TypeError, ValueError):
@@ -109,7 +76,7 @@ def _range(
     return low, high
 
 
-def _check_image(image: Any, *, name: str = "image") -> np.ndarray:
+def check_image(image: Any, *, name: str = "image") -> np.ndarray:
     """``image`` as a ``(height, width, channels)`` array (a 2-D one gains a channel axis)."""
     array = np.asarray(image)
     if array.ndim == 2:
@@ -122,7 +89,8 @@ def _check_image(image: Any, *, name: str = "image") -> np.ndarray:
     return array
 
 
-def _check_resample(resample: str) -> Image.Resampling:
+def check_resample(resample: str) -> Image.Resampling:
+    """Pillow's resampling filter named by ``resample``."""
     if resample not in _RESAMPLE:
         raise ValueError(f"resample must be one of {sorted(_RESAMPLE)}, got {resample!r}.")
     return _RESAMPLE[resample]
@@ -154,7 +122,7 @@ def decode(data: Encoded, *, channels: int | None = 3) -> np.ndarray:
 
 
 def _open(data: Any, channels: int | None) -> Image.Image:
-    if channels is not None and channels not in _MODES:
+    if channels is not None and channels not in MODES:
         raise ValueError(f"channels must be 1, 3, 4 or None, got {channels!r}.")
     raw = _as_bytes(data)
     try:
@@ -171,7 +139,7 @@ def _to_array(img: Image.Image, channels: int | None) -> np.ndarray:
 def _loaded(img: Image.Image, channels: int | None) -> Image.Image:
     """``img`` decoded, in the mode for ``channels``."""
     if channels is not None:
-        mode = _MODES[channels]
+        mode = MODES[channels]
     elif img.mode in ("L", "RGB", "RGBA"):
         mode = img.mode
     else:
@@ -217,7 +185,7 @@ def encode(
         >>> data[:2], decode(data).shape
         (b'\\xff\\xd8', (8, 8, 3))
     """
-    array = _check_image(image)
+    array = check_image(image)
     if array.dtype != np.uint8:
         raise ValueError(f"encode expects a uint8 image, got dtype {array.dtype}.")
     fmt = {"jpeg": "JPEG", "jpg": "JPEG", "png": "PNG"}.get(str(format).lower())
@@ -226,7 +194,7 @@ def encode(
     if not 1 <= quality <= 100:
         raise ValueError(f"quality must be in [1, 100], got {quality!r}.")
     channels = array.shape[2]
-    if channels not in _MODES or (fmt == "JPEG" and channels == 4):
+    if channels not in MODES or (fmt == "JPEG" and channels == 4):
         allowed = "1 or 3" if fmt == "JPEG" else "1, 3 or 4"
         raise ValueError(f"{fmt} images need {allowed} channels, got {channels}.")
     buffer = io.BytesIO()
@@ -277,9 +245,9 @@ def resize(image: np.ndarray, size: Size, *, resample: Resample = "bilinear") ->
         >>> resize(np.zeros((10, 20, 3), np.uint8), (5, 8)).shape
         (5, 8, 3)
     """
-    array = _check_image(image)
+    array = check_image(image)
     height, width = array.shape[:2]
-    return _resize_box(array, (0, 0, height, width), _hw(size), _check_resample(resample))
+    return _resize_box(array, (0, 0, height, width), as_hw(size), check_resample(resample))
 
 
 def random_crop_box(
@@ -303,8 +271,8 @@ def random_crop_box(
         >>> 0 <= top <= 100 - h and 0 <= left <= 200 - w
         True
     """
-    low, high = _range(scale, name="scale")
-    log_ratio = np.log(_range(ratio, name="ratio"))
+    low, high = check_range(scale, name="scale")
+    log_ratio = np.log(check_range(ratio, name="ratio"))
     area = height * width
     for _ in range(attempts):
         target = area * rng.uniform(low, high)
@@ -342,8 +310,8 @@ def random_resized_crop(
         >>> random_resized_crop(pixels, 32, np.random.default_rng(0)).shape
         (32, 32, 3)
     """
-    array = _check_image(image)
-    out_hw, method = _hw(size), _check_resample(resample)
+    array = check_image(image)
+    out_hw, method = as_hw(size), check_resample(resample)
     height, width = array.shape[:2]
     box = random_crop_box(height, width, rng, scale=scale, ratio=ratio, attempts=attempts)
     return _resize_box(array, box, out_hw, method)
@@ -376,7 +344,7 @@ def decode_and_random_crop(
         >>> decode_and_random_crop(data, 64, np.random.default_rng(0)).shape
         (64, 64, 3)
     """
-    out_hw, method = _hw(size), _check_resample(resample)
+    out_hw, method = as_hw(size), check_resample(resample)
     with _open(data, channels) as img:
         width, height = img.size
         top, left, h, w = random_crop_box(
@@ -385,7 +353,7 @@ def decode_and_random_crop(
         if img.format == "JPEG":
             shrink = min(h / out_hw[0], w / out_hw[1])
             if shrink >= 2:
-                mode = _MODES[channels] if channels in (1, 3) else img.mode
+                mode = MODES[channels] if channels in (1, 3) else img.mode
                 img.draft(mode, (math.ceil(width / shrink), math.ceil(height / shrink)))
         fy, fx = img.size[1] / height, img.size[0] / width
         box = (top * fy, left * fx, h * fy, w * fx)
@@ -406,8 +374,8 @@ def random_crop(
         ...             padding=4).shape
         (32, 32, 3)
     """
-    array = _check_image(image)
-    out_h, out_w = _hw(size)
+    array = check_image(image)
+    out_h, out_w = as_hw(size)
     if padding < 0:
         raise ValueError(f"padding must be >= 0, got {padding!r}.")
     height, width = array.shape[0] + 2 * padding, array.shape[1] + 2 * padding
@@ -443,8 +411,8 @@ def center_crop(
         >>> np.array_equal(center_crop(pixels, 56), pixels[4:60, 4:60])
         True
     """
-    array = _check_image(image)
-    out_h, out_w = _hw(size)
+    array = check_image(image)
+    out_h, out_w = as_hw(size)
     if not 0 < crop_fraction <= 1:
         raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
     height, width = array.shape[:2]
@@ -452,7 +420,7 @@ def center_crop(
     factor = min(out_h, out_w) / crop_fraction / min(height, width)
     h, w = min(out_h / factor, height), min(out_w / factor, width)
     box = ((height - h) / 2, (width - w) / 2, h, w)
-    return _resize_box(array, box, (out_h, out_w), _check_resample(resample))
+    return _resize_box(array, box, (out_h, out_w), check_resample(resample))
 
 
 def horizontal_flip(image: np.ndarray, rng: np.random.Generator, p: float = 0.5) -> np.ndarray:
@@ -465,7 +433,7 @@ def horizontal_flip(image: np.ndarray, rng: np.random.Generator, p: float = 0.5)
     """
     if not 0 <= p <= 1:
         raise ValueError(f"p must be a probability in [0, 1], got {p!r}.")
-    array = _check_image(image)
+    array = check_image(image)
     return array[:, ::-1] if rng.random() < p else array
 
 
@@ -480,8 +448,8 @@ def normalize(image: np.ndarray, mean: Any, std: Any) -> np.ndarray:
         >>> normalize(np.full((1, 1, 3), 255, np.uint8), (0.5,) * 3, (0.5,) * 3).tolist()
         [[[1.0, 1.0, 1.0]]]
     """
-    array = _check_image(image)
-    mean32, std32 = _stats(mean, std, array.shape[2])
+    array = check_image(image)
+    mean32, std32 = channel_stats(mean, std, array.shape[2])
     unit = 1 / 255 if array.dtype == np.uint8 else 1.0
     out = array.astype(np.float32)
     out *= (unit / std32).astype(np.float32)
@@ -489,7 +457,8 @@ def normalize(image: np.ndarray, mean: Any, std: Any) -> np.ndarray:
     return out
 
 
-def _stats(mean: Any, std: Any, channels: int) -> tuple[np.ndarray, np.ndarray]:
+def channel_stats(mean: Any, std: Any, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``mean`` and ``std`` as float64 vectors of 1 or ``channels`` values, ``std`` > 0."""
     mean32 = np.asarray(mean, np.float64).reshape(-1)
     std32 = np.asarray(std, np.float64).reshape(-1)
     for name, value in (("mean", mean32), ("std", std32)):
@@ -501,187 +470,3 @@ def _stats(mean: Any, std: Any, channels: int) -> tuple[np.ndarray, np.ndarray]:
     if np.any(std32 <= 0):
         raise ValueError(f"std must be positive, got {std!r}.")
     return mean32, std32
-
-
-# --------------------------------------------------------------------- transforms
-
-
-def _image_array(value: Any) -> np.ndarray | None:
-    """A decoded image array, or ``None`` if ``value`` holds encoded bytes."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return None
-    array = np.asarray(value)
-    if array.dtype.kind == "S" or array.dtype == object or array.ndim == 1:
-        return None
-    return _check_image(array)
-
-
-def _label(record: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {"label": np.asarray(record["label"], np.int32)} if "label" in record else {}
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainTransform:
-    """The training transform: random crop, horizontal flip, normalise; see ``train_transform``."""
-
-    size: tuple[int, int]
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    padding: int | None = None
-    flip: float = 0.5
-    resample: Resample = "bilinear"
-    channels: int | None = 3
-
-    def __call__(self, record: Mapping[str, Any], rng: np.random.Generator) -> Record:
-        value = record["image"]
-        array = _image_array(value)
-        if self.padding is not None:
-            if array is None:
-                array = decode(value, channels=self.channels)
-            array = random_crop(array, self.size, rng, padding=self.padding)
-        elif array is None:
-            array = decode_and_random_crop(
-                value,
-                self.size,
-                rng,
-                scale=self.scale,
-                ratio=self.ratio,
-                resample=self.resample,
-                channels=self.channels,
-            )
-        else:
-            array = random_resized_crop(
-                array, self.size, rng, scale=self.scale, ratio=self.ratio, resample=self.resample
-            )
-        array = horizontal_flip(array, rng, self.flip)
-        return {**record, "image": normalize(array, self.mean, self.std), **_label(record)}
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalTransform:
-    """The evaluation transform: centre crop, normalise; see ``eval_transform``."""
-
-    size: tuple[int, int]
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    crop_fraction: float = 0.875
-    resample: Resample = "bilinear"
-    channels: int | None = 3
-
-    def __call__(self, record: Mapping[str, Any]) -> Record:
-        value = record["image"]
-        array = _image_array(value)
-        if array is None:
-            array = decode(value, channels=self.channels)
-        array = center_crop(
-            array, self.size, crop_fraction=self.crop_fraction, resample=self.resample
-        )
-        return {**record, "image": normalize(array, self.mean, self.std), **_label(record)}
-
-
-def _floats(values: Any, *, name: str) -> tuple[float, ...]:
-    try:
-        result = tuple(float(v) for v in np.asarray(values, np.float64).reshape(-1))
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a sequence of numbers, got {values!r}.") from None
-    if not result:
-        raise ValueError(f"{name} must hold at least one value, got {values!r}.")
-    return result
-
-
-def _check_channels(channels: int | None, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-    if channels is not None and channels not in _MODES:
-        raise ValueError(f"channels must be 1, 3, 4 or None, got {channels!r}.")
-    if channels is not None:
-        _stats(mean, std, channels)
-    elif min(std) <= 0:
-        raise ValueError(f"std must be positive, got {std!r}.")
-
-
-def train_transform(
-    size: Size,
-    *,
-    mean: Any,
-    std: Any,
-    scale: tuple[float, float] = (0.08, 1.0),
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),
-    padding: int | None = None,
-    flip: float = 0.5,
-    resample: Resample = "bilinear",
-    channels: int | None = 3,
-) -> TrainTransform:
-    """The classification training transform, for ``TrainPipeline(transform=...)``.
-
-    Takes a record ``{"image": encoded bytes or uint8 array, "label": ...}`` and returns
-    it with ``"image"`` a float32 ``(height, width, channels)`` array and ``"label"``
-    int32 (other fields pass through). The crop is Inception-style
-    (``random_resized_crop`` with ``scale`` and ``ratio``; JPEG bytes go through
-    ``decode_and_random_crop``), or, with ``padding`` set, the CIFAR-style
-    ``random_crop`` of the image zero-padded by ``padding``. Then a horizontal flip
-    with probability ``flip``, and ``normalize`` with ``mean`` and ``std`` (in [0, 1]
-    units, e.g. ``IMAGENET_MEAN``, ``CIFAR10_MEAN``).
-
-    Bytes are decoded to ``channels`` (see ``decode``); arrays keep their channels.
-    The result is a frozen dataclass: it pickles, so Grain worker processes can run it.
-
-    Examples:
-        >>> import pickle
-        >>> transform = train_transform(32, mean=CIFAR10_MEAN, std=CIFAR10_STD, padding=4)
-        >>> pickle.loads(pickle.dumps(transform)) == transform
-        True
-    """
-    mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
-    _check_channels(channels, mean_t, std_t)
-    if padding is not None and (isinstance(padding, bool) or padding < 0):
-        raise ValueError(f"padding must be None or an int >= 0, got {padding!r}.")
-    if not 0 <= flip <= 1:
-        raise ValueError(f"flip must be a probability in [0, 1], got {flip!r}.")
-    _check_resample(resample)
-    return TrainTransform(
-        size=_hw(size),
-        mean=mean_t,
-        std=std_t,
-        scale=_range(scale, name="scale"),
-        ratio=_range(ratio, name="ratio"),
-        padding=None if padding is None else int(padding),
-        flip=float(flip),
-        resample=resample,
-        channels=channels,
-    )
-
-
-def eval_transform(
-    size: Size,
-    *,
-    mean: Any,
-    std: Any,
-    crop_fraction: float = 0.875,
-    resample: Resample = "bilinear",
-    channels: int | None = 3,
-) -> EvalTransform:
-    """The classification evaluation transform, for ``EvalPipeline(transform=...)``.
-
-    ``center_crop`` (pass ``crop_fraction=1`` to keep small images such as CIFAR's
-    whole), then ``normalize``; records as in ``train_transform``.
-
-    Examples:
-        >>> transform = eval_transform(32, mean=CIFAR10_MEAN, std=CIFAR10_STD, crop_fraction=1)
-        >>> record = {"image": np.zeros((32, 32, 3), np.uint8), "label": np.int64(1)}
-        >>> transform(record)["image"].shape
-        (32, 32, 3)
-    """
-    mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
-    _check_channels(channels, mean_t, std_t)
-    if not 0 < crop_fraction <= 1:
-        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
-    _check_resample(resample)
-    return EvalTransform(
-        size=_hw(size),
-        mean=mean_t,
-        std=std_t,
-        crop_fraction=float(crop_fraction),
-        resample=resample,
-        channels=channels,
-    )

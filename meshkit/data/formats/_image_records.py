@@ -27,10 +27,10 @@ import msgpack
 import numpy as np
 
 from meshkit._checks import check_int
+from meshkit.data._labels import check_labels
 
 from ._array_record import IMAGE_RECORDS_FORMAT, error_reason, sidecar_path
 from ._encoded import EncodedRecordSource
-from ._labels import check_labels
 
 FORMAT = IMAGE_RECORDS_FORMAT
 """The ``format`` entry of every image-record sidecar."""
@@ -113,7 +113,7 @@ def decode_image_record(data: bytes) -> dict[str, Any]:
 
 def _encode_pixels(image: Any, index: int, *, format: ImageFormat, quality: int) -> bytes:
     """``image.encode`` of a uint8 image, or a ``ValueError`` naming image ``index``."""
-    from . import image as image_ops
+    from meshkit.data import image as image_ops
 
     array = np.asarray(image)
     try:
