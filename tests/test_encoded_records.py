@@ -30,8 +30,8 @@ from meshkit.data import (
     write_image_folder,
     write_image_records,
 )
+from meshkit.data._formats._array_record import sidecar_path
 from meshkit.data.convert import main
-from meshkit.data.formats._array_record import sidecar_path
 
 pytestmark = pytest.mark.once  # files and bytes: no devices involved
 

@@ -6,17 +6,37 @@ The package has three sides:
   ``ArraySource`` (``_source``), label checks (``_labels``), ``TrainPipeline`` and
   ``EvalPipeline`` (``_pipeline``) and ``GlobalBatchIterator`` (``_iterator``). It reads
   any ``Source`` and imports no format.
-- :mod:`meshkit.data.formats`: the readers and writers of data on disk (ArrayRecord,
-  encoded image records, image folders, MNIST and CIFAR files, TFDS) and the built-in
-  data sets (digits, synthetic, reference text). They import the core.
+- the formats, in the private subpackage ``_formats``: the readers and writers of
+  data on disk (ArrayRecord, encoded image records, image folders, MNIST and CIFAR
+  files, TFDS) and the built-in data sets (digits, synthetic, reference text). They
+  import the core.
 - :mod:`meshkit.data.image`: image operations (decode, crops, flips, normalise) and the
   picklable classification transforms built from them.
 
 ``python -m meshkit.data.convert`` converts data you have to ArrayRecord. This module
-exports the core and every format, so ``from meshkit.data import mnist`` works as well
-as ``from meshkit.data.formats import mnist``.
+is the one public face of the core and the formats alike: ``from meshkit.data import
+mnist``.
 """
 
+from meshkit.data._formats import ArrayRecordSource as ArrayRecordSource
+from meshkit.data._formats import EncodedRecordSource as EncodedRecordSource
+from meshkit.data._formats import TfdsSource as TfdsSource
+from meshkit.data._formats import cifar10 as cifar10
+from meshkit.data._formats import cifar100 as cifar100
+from meshkit.data._formats import decode_bytes as decode_bytes
+from meshkit.data._formats import decode_image_record as decode_image_record
+from meshkit.data._formats import digits as digits
+from meshkit.data._formats import encode_image_record as encode_image_record
+from meshkit.data._formats import fashion_mnist as fashion_mnist
+from meshkit.data._formats import image_records as image_records
+from meshkit.data._formats import mnist as mnist
+from meshkit.data._formats import reference_text as reference_text
+from meshkit.data._formats import synthetic as synthetic
+from meshkit.data._formats import text_windows as text_windows
+from meshkit.data._formats import write_array_record as write_array_record
+from meshkit.data._formats import write_digits_images as write_digits_images
+from meshkit.data._formats import write_image_folder as write_image_folder
+from meshkit.data._formats import write_image_records as write_image_records
 from meshkit.data._iterator import GlobalBatchIterator as GlobalBatchIterator
 from meshkit.data._iterator import check_state as check_state
 from meshkit.data._pipeline import EvalPipeline as EvalPipeline
@@ -28,22 +48,3 @@ from meshkit.data._source import ArraySource as ArraySource
 from meshkit.data._source import Record as Record
 from meshkit.data._source import Source as Source
 from meshkit.data._source import load_npz as load_npz
-from meshkit.data.formats import ArrayRecordSource as ArrayRecordSource
-from meshkit.data.formats import EncodedRecordSource as EncodedRecordSource
-from meshkit.data.formats import TfdsSource as TfdsSource
-from meshkit.data.formats import cifar10 as cifar10
-from meshkit.data.formats import cifar100 as cifar100
-from meshkit.data.formats import decode_bytes as decode_bytes
-from meshkit.data.formats import decode_image_record as decode_image_record
-from meshkit.data.formats import digits as digits
-from meshkit.data.formats import encode_image_record as encode_image_record
-from meshkit.data.formats import fashion_mnist as fashion_mnist
-from meshkit.data.formats import image_records as image_records
-from meshkit.data.formats import mnist as mnist
-from meshkit.data.formats import reference_text as reference_text
-from meshkit.data.formats import synthetic as synthetic
-from meshkit.data.formats import text_windows as text_windows
-from meshkit.data.formats import write_array_record as write_array_record
-from meshkit.data.formats import write_digits_images as write_digits_images
-from meshkit.data.formats import write_image_folder as write_image_folder
-from meshkit.data.formats import write_image_records as write_image_records

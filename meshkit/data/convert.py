@@ -30,11 +30,11 @@ lists, bytes and numbers only: a file naming any other global is refused before
 anything it names is called. The sidecars record the number of classes, so reading a
 record back checks its label against it.
 
-The conversions live in :mod:`meshkit.data.formats` (``convert``); this module is the
+The conversions live in :mod:`meshkit.data._formats` (``convert``); this module is the
 command line's stable path.
 """
 
-from meshkit.data.formats._convert import convert, main
+from meshkit.data._formats._convert import convert, main
 
 __all__ = ["convert", "main"]
 

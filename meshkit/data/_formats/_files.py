@@ -6,7 +6,7 @@ expected.
 
 Security: CIFAR's official format is Python pickle, and a plain ``pickle.load`` runs
 any function the file names. CIFAR files are read with a restricted unpickler
-(``meshkit.data.formats._unpickle``) that rebuilds dicts, lists, bytes, numbers and numpy
+(``meshkit.data._formats._unpickle``) that rebuilds dicts, lists, bytes, numbers and numpy
 arrays only and refuses a file naming any other global before calling it. Converting
 them once with ``python -m meshkit.data.convert`` to ArrayRecord (raw bytes only)
 leaves no pickle to read at all.

@@ -137,7 +137,7 @@ def to_uint8_images(
     """uint8 ``[N, size, size, C]`` images from uint8 or float ``[0, 1]`` ``[N, H, W, C]`` ones.
 
     ``size`` resizes bilinearly (half-pixel centres, see
-    :func:`meshkit.data.formats._digits.interpolation_matrix`); ``rgb`` repeats a gray channel.
+    :func:`meshkit.data._formats._digits.interpolation_matrix`); ``rgb`` repeats a gray channel.
 
     Examples:
         >>> to_uint8_images(np.ones((2, 8, 8, 1), np.float32), size=16, rgb=True).shape
