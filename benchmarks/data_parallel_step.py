@@ -86,8 +86,8 @@ def whole_run_compiles(mesh) -> dict:
             pipeline,
             num_steps=steps,
             workdir=workdir,
-            checkpoint_every=steps,
-            progress=False,
+            checkpoints=train.Checkpoints(every=steps),
+            logging=train.Logging(progress=False),
         )
     return {
         "steps": steps,

@@ -164,10 +164,11 @@ def whole_run_compiles() -> dict:
             pipeline,
             num_steps=steps,
             workdir=workdir,
-            eval_pipeline=evaluation,
-            per_example_fn=ensemble.ensemble_metrics(layout),
-            checkpoint_every=steps,
-            progress=False,
+            evaluation=train.Evaluation(
+                evaluation, per_example_fn=ensemble.ensemble_metrics(layout)
+            ),
+            checkpoints=train.Checkpoints(every=steps),
+            logging=train.Logging(progress=False),
         )
     return {
         "steps": steps,

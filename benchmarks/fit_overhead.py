@@ -112,8 +112,8 @@ def case(
                 pipeline,
                 num_steps=steps,
                 workdir=workdir,
-                checkpoint_every=steps,
-                progress=False,
+                checkpoints=train.Checkpoints(every=steps),
+                logging=train.Logging(progress=False),
             )
         fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
         fit_stats["compiles"].append(result.train_step_compiles)

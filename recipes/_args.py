@@ -124,14 +124,16 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def fit_options(args: argparse.Namespace, schedule: Any) -> dict[str, Any]:
-    """``fit`` keyword arguments from the training options: writers, schedule, profile."""
+    """``fit``'s ``logging`` and ``dispatch`` from the training options: progress bar,
+    writers, schedule, profile."""
     from meshkit import train
 
     writers = [train.TensorBoardWriter(args.workdir / "tensorboard")] if args.tensorboard else []
     return {
-        "writers": writers,
-        "learning_rate": schedule,
-        "profile_steps": args.profile_steps,
+        "logging": train.Logging(
+            progress=not args.no_progress, writers=writers, learning_rate=schedule
+        ),
+        "dispatch": train.Dispatch(profile_steps=args.profile_steps),
     }
 
 

@@ -157,11 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         pipeline,
         num_steps=args.steps,
         workdir=args.workdir,
-        eval_pipeline=eval_pipeline,
-        eval_every=args.eval_every,
-        per_example_fn=ensemble.ensemble_metrics(layout),
-        checkpoint_every=args.checkpoint_every or args.steps,
-        progress=not args.no_progress,
+        evaluation=train.Evaluation(
+            eval_pipeline, every=args.eval_every, per_example_fn=ensemble.ensemble_metrics(layout)
+        ),
+        checkpoints=train.Checkpoints(every=args.checkpoint_every or args.steps),
         **fit_options(args, schedule),
     )
     summary = summarize(args, layout, result)

@@ -203,10 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         pipeline,
         num_steps=args.steps,
         workdir=args.workdir,
-        eval_pipeline=eval_pipeline,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        progress=not args.no_progress,
+        evaluation=train.Evaluation(eval_pipeline, every=args.eval_every),
+        checkpoints=train.Checkpoints(every=args.checkpoint_every),
         **fit_options(args, schedule),
     )
     local_batch = pipeline.shard.size

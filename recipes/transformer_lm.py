@@ -213,11 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         pipeline,
         num_steps=args.steps,
         workdir=args.workdir,
-        eval_pipeline=eval_pipeline,
-        eval_every=args.eval_every,
-        per_example_fn=next_token_metrics,
-        checkpoint_every=args.checkpoint_every,
-        progress=not args.no_progress,
+        evaluation=train.Evaluation(
+            eval_pipeline, every=args.eval_every, per_example_fn=next_token_metrics
+        ),
+        checkpoints=train.Checkpoints(every=args.checkpoint_every),
         **fit_options(args, schedule),
     )
     prompt = args.sample_prompt.encode("utf-8")

@@ -245,8 +245,8 @@ def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
         train.CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]"
     ) as info:
         train.fit(
-            state, slow_step, pipeline, num_steps=40, workdir=tmp_path, checkpoint_every=10,
-            progress=False,
+            state, slow_step, pipeline, num_steps=40, workdir=tmp_path,
+            checkpoints=train.Checkpoints(every=10), logging=train.Logging(progress=False),
         )  # fmt: skip
     assert 10 < taken[-1] < 20  # reported before the next save, not by it
     assert f"Training stopped at step {taken[-1]} and the partial folder 10." in str(info.value)

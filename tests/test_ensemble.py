@@ -388,10 +388,9 @@ def fit_ensemble(layout, model, step, workdir, num_steps):
         pipeline,
         num_steps=num_steps,
         workdir=workdir,
-        eval_pipeline=evaluation,
-        per_example_fn=ensemble.ensemble_metrics(layout),
-        checkpoint_every=5,
-        progress=False,
+        evaluation=train.Evaluation(evaluation, per_example_fn=ensemble.ensemble_metrics(layout)),
+        checkpoints=train.Checkpoints(every=5),
+        logging=train.Logging(progress=False),
     )
 
 

@@ -64,8 +64,8 @@ TRAIN = textwrap.dedent("""
         train.classification_loss, train.state_shardings_of(state), sharding
     )
     result = train.fit(
-        state, step, pipeline, num_steps=10**6, workdir=workdir, log_every=5,
-        checkpoint_every=10, progress=False,
+        state, step, pipeline, num_steps=10**6, workdir=workdir,
+        checkpoints=train.Checkpoints(every=10), logging=train.Logging(every=5, progress=False),
     )
     print(f"stopped after step {result.step}, preempted={result.preempted}", flush=True)
     sys.exit(train.PREEMPTED_EXIT_CODE if result.preempted else 0)

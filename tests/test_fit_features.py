@@ -1,4 +1,5 @@
-"""fit's writers (metrics.jsonl, TensorBoard, W&B), hooks, learning-rate records and profiling."""
+"""fit's writers (metrics.jsonl, TensorBoard, W&B), hooks, learning-rate records, profiling,
+and its keywords of earlier releases."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
 
 
-def run_fit(workdir, *, num_steps=20, schedule=None, **kwargs):
+def run_fit(workdir, *, num_steps=20, schedule=None, eval_every=None, writers=(), **kwargs):
     mesh = meshkit.make_mesh("data=1", devices=jax.devices()[:1])  # the features, not the mesh
     sharding = meshkit.batch_sharding(mesh)
     schedule = schedule or optax.linear_schedule(0.1, 0.0, 40)
@@ -44,12 +45,11 @@ def run_fit(workdir, *, num_steps=20, schedule=None, **kwargs):
         data.TrainPipeline(data.digits("train"), global_batch_size=BATCH, sharding=sharding),
         num_steps=num_steps,
         workdir=workdir,
-        eval_pipeline=data.EvalPipeline(
-            data.digits("test"), global_batch_size=BATCH, sharding=sharding
+        evaluation=train.Evaluation(
+            data.EvalPipeline(data.digits("test"), global_batch_size=BATCH, sharding=sharding),
+            every=eval_every,
         ),
-        log_every=5,
-        progress=False,
-        learning_rate=schedule,
+        logging=train.Logging(every=5, progress=False, writers=writers, learning_rate=schedule),
         **kwargs,
     )
 
@@ -115,12 +115,13 @@ def test_records_reach_jsonl_and_tensorboard_with_learning_rate_and_throughput(t
 
 
 def test_a_resumed_run_hides_the_steps_an_earlier_run_recorded_after_its_checkpoint(tmp_path):
+    every_10 = train.Checkpoints(every=10)
     run_fit(
-        tmp_path, num_steps=15, checkpoint_every=10, writers=[train.TensorBoardWriter(tmp_path)]
+        tmp_path, num_steps=15, checkpoints=every_10, writers=[train.TensorBoardWriter(tmp_path)]
     )
     (tmp_path / "checkpoints" / "15").rename(tmp_path / "15.elsewhere")  # as if killed at 15
     run_fit(
-        tmp_path, num_steps=20, checkpoint_every=10, writers=[train.TensorBoardWriter(tmp_path)]
+        tmp_path, num_steps=20, checkpoints=every_10, writers=[train.TensorBoardWriter(tmp_path)]
     )
     events = read_events(tmp_path)
     restarts = [event.step for event in events if event.HasField("session_log")]
@@ -143,11 +144,11 @@ def test_early_stopping_saves_and_stops_at_the_next_step(tmp_path):
 
 
 def test_profile_steps_write_a_trace(tmp_path):
-    run_fit(tmp_path, num_steps=6, profile_steps=(3, 2))
+    run_fit(tmp_path, num_steps=6, dispatch=train.Dispatch(profile_steps=(3, 2)))
     traces = list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
     with pytest.raises(ValueError, match=r"profile_steps must be \(first_step, count\).*got 3"):
-        run_fit(tmp_path / "bad", profile_steps=3)  # pyright: ignore[reportArgumentType]
+        train.Dispatch(profile_steps=3)  # pyright: ignore[reportArgumentType]
 
 
 def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
@@ -174,3 +175,26 @@ def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
         ("log", 15, {"loss": 0.5, "member_loss/0": 1.0, "member_loss/1": 2.0}),
         ("finish",),
     ]
+
+
+def test_the_keywords_of_earlier_releases_still_work_with_a_warning(tmp_path):
+    new_form = (
+        r"fit\(checkpoint_every=..., keep_checkpoints=...\) is deprecated.*"
+        r"pass checkpoints=Checkpoints\(every=..., keep=...\)"
+    )
+    with pytest.warns(DeprecationWarning, match=new_form):
+        result = run_fit(tmp_path, num_steps=10, checkpoint_every=4, keep_checkpoints=2)
+    assert result.step == 10
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [8, 10]
+
+
+def test_fit_refuses_unknown_keywords_and_an_old_keyword_beside_its_object(tmp_path):
+    with pytest.raises(TypeError, match=r"keyword argument 'checkpoint_evry'.*checkpoints"):
+        run_fit(tmp_path, checkpoint_evry=10)
+    # run_fit passes logging=Logging(...): log_every= beside it is ambiguous
+    mixed = r"both logging= and log_every=.*Pass only logging=Logging\(every=...\)"
+    with pytest.raises(TypeError, match=mixed):
+        run_fit(tmp_path, log_every=5)
+    with pytest.raises(TypeError, match=r"fit\(eval_every=...\) has no eval_pipeline="):
+        train.fit(None, None, None, num_steps=1, workdir=tmp_path, eval_every=5)  # pyright: ignore[reportArgumentType]
+    assert not (tmp_path / "checkpoints").exists()  # refused before any work

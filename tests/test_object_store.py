@@ -78,10 +78,9 @@ def test_fit_writes_its_records_to_an_object_store_and_resumes(bucket, tmp_path)
             pipeline,
             num_steps=num_steps,
             workdir="gs://bucket/run",
-            checkpoint_dir=tmp_path / "checkpoints",  # Orbax writes gs:// with its own client
-            checkpoint_every=4,
-            log_every=2,
-            progress=False,
+            # Orbax writes gs:// with its own client
+            checkpoints=train.Checkpoints(every=4, directory=tmp_path / "checkpoints"),
+            logging=train.Logging(every=2, progress=False),
         )
 
     train.write_run_config("gs://bucket/run", train.run_config({"seed": 0}, mesh))

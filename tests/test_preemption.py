@@ -85,8 +85,8 @@ def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, ca
         return jitted(state, batch)
 
     result = train.fit(
-        state, step, pipeline, num_steps=1000, workdir=tmp_path, checkpoint_every=100,
-        progress=False,
+        state, step, pipeline, num_steps=1000, workdir=tmp_path,
+        checkpoints=train.Checkpoints(every=100), logging=train.Logging(progress=False),
     )  # fmt: skip
     assert result.preempted and result.step == taken == 7
     assert sorted(int(path.name) for path in (tmp_path / "checkpoints").iterdir()) == [7]

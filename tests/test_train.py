@@ -125,7 +125,9 @@ def test_nnx_model_trains_through_the_same_api():
     assert any(moved)  # batch statistics and the dropout stream's counter advanced
 
 
-def fit(mesh, workdir, num_steps, eval_every=None, **kwargs):
+def fit(
+    mesh, workdir, num_steps, eval_every=None, per_example_fn=train.classification_metrics, **kwargs
+):
     state, step, pipeline = setup(mesh)
     evaluation = data.EvalPipeline(
         data.digits("test"), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
@@ -136,12 +138,9 @@ def fit(mesh, workdir, num_steps, eval_every=None, **kwargs):
         pipeline,
         num_steps=num_steps,
         workdir=workdir,
-        eval_pipeline=evaluation,
-        checkpoint_every=10,
-        keep_checkpoints=2,
-        log_every=5,
-        progress=False,
-        eval_every=eval_every,
+        evaluation=train.Evaluation(evaluation, every=eval_every, per_example_fn=per_example_fn),
+        checkpoints=train.Checkpoints(every=10, keep=2),
+        logging=train.Logging(every=5, progress=False),
         **kwargs,
     )
 
@@ -198,8 +197,8 @@ def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
     state, step, pipeline = setup(mesh, model=train.linen_model(Linear(), jnp.zeros((1, 8, 8, 1))))
     with pytest.raises(ValueError, match=r"step 10 .* holds a different model: .*saved .*now"):
         train.fit(
-            state, step, pipeline, num_steps=20, workdir=tmp_path, checkpoint_every=10,
-            progress=False,
+            state, step, pipeline, num_steps=20, workdir=tmp_path,
+            checkpoints=train.Checkpoints(every=10), logging=train.Logging(progress=False),
         )  # fmt: skip
 
 
@@ -235,8 +234,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
             pipeline,
             num_steps=40,
             workdir=tmp_path,
-            checkpoint_every=10,
-            progress=False,
+            checkpoints=train.Checkpoints(every=10),
+            logging=train.Logging(progress=False),
         )
     message = str(info.value)
     assert "step 15" in message and "'loss': nan" in message and "step 10 in" in message
@@ -249,7 +248,7 @@ def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
     _, reference = run_steps(mesh, 20)  # one step at a time, every loss read on the host
     lines = {}
     for depth in (1, 4):
-        result = fit(mesh, tmp_path / str(depth), 20, eval_every=None, max_in_flight=depth)
+        result = fit(mesh, tmp_path / str(depth), 20, dispatch=train.Dispatch(max_in_flight=depth))
         assert result.max_in_flight == depth
         logged = [json.loads(line) for line in (tmp_path / str(depth) / "metrics.jsonl").open()]
         lines[depth] = [(line["step"], line["loss"]) for line in logged if "loss" in line]
@@ -265,8 +264,9 @@ def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
 def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     state, step, pipeline = setup(mesh)
-    first = train.fit(state, step, pipeline, num_steps=5, workdir=tmp_path, progress=False)
-    resumed = train.fit(first.state, step, pipeline, num_steps=10, workdir=tmp_path, progress=False)
+    quiet = train.Logging(progress=False)
+    first = train.fit(state, step, pipeline, num_steps=5, workdir=tmp_path, logging=quiet)
+    resumed = train.fit(first.state, step, pipeline, num_steps=10, workdir=tmp_path, logging=quiet)
     assert (first.train_step_compiles, resumed.train_step_compiles) == (1, 0)
     assert resumed.resumed_from == 5 and resumed.step == 10
 
@@ -283,10 +283,9 @@ def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, che
             pipeline,
             num_steps=40,
             workdir=tmp_path,
-            checkpoint_every=checkpoint_every,
-            log_every=10,
-            max_in_flight=4,
-            progress=False,
+            checkpoints=train.Checkpoints(every=checkpoint_every),
+            logging=train.Logging(every=10, progress=False),
+            dispatch=train.Dispatch(max_in_flight=4),
         )
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
     assert saved[-1] < 15 and f"step {saved[-1]} in" in str(info.value)
@@ -302,6 +301,9 @@ def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
         return state, {"accuracy": metrics["accuracy"]}
 
     with pytest.raises(ValueError, match=r"reports metrics \['accuracy'\].*metrics\['loss'\]"):
-        train.fit(state, no_loss, pipeline, num_steps=2, workdir=tmp_path, progress=False)
+        train.fit(
+            state, no_loss, pipeline, num_steps=2, workdir=tmp_path,
+            logging=train.Logging(progress=False),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1 step, got 0"):
-        train.fit(state, step, pipeline, num_steps=2, workdir=tmp_path / "b", max_in_flight=0)
+        train.Dispatch(max_in_flight=0)

@@ -1,5 +1,7 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
+from meshkit._inflight import InFlight as InFlight
+from meshkit._inflight import default_max_in_flight as default_max_in_flight
 from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
@@ -16,6 +18,7 @@ from meshkit.train._gradients import gradients as gradients
 from meshkit.train._hooks import Boundary as Boundary
 from meshkit.train._hooks import EarlyStopping as EarlyStopping
 from meshkit.train._hooks import Hook as Hook
+from meshkit.train._interval import MetricSums as MetricSums
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import fit as fit
 from meshkit.train._precision import LossScale as LossScale
@@ -23,6 +26,10 @@ from meshkit.train._precision import Precision as Precision
 from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit.train._preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._records import NonFiniteLossError as NonFiniteLossError
+from meshkit.train._settings import Checkpoints as Checkpoints
+from meshkit.train._settings import Dispatch as Dispatch
+from meshkit.train._settings import Evaluation as Evaluation
+from meshkit.train._settings import Logging as Logging
 from meshkit.train._state import Model as Model
 from meshkit.train._state import TrainState as TrainState
 from meshkit.train._state import abstract_train_state as abstract_train_state

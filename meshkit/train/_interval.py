@@ -200,3 +200,104 @@ def read_interval(layout: MetricLayout, interval: Interval, last: int) -> Interv
     means = layout.unpack(sums / max(count, 1))
     bad = int(first_bad)
     return IntervalRead(first, last, means, first + bad - 1 if bad else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSums:
+    """A train step fused with sums of its metrics on the device, read once per interval.
+
+    ``fit``'s bookkeeping, for a loop of your own. ``first_step`` runs the first step
+    and returns this object; its ``step(state, batch, interval)`` runs each later step
+    as one jitted program that also adds the step's metrics (packed into one float32
+    vector) to the running ``Interval``, with a step count and the position of the
+    first step whose ``loss`` or ``grad_norm`` was not finite. Nothing is read on the
+    host until ``read``: call ``copy_to_host_async`` when an interval closes, keep
+    going, and ``read`` it once its last step has left the queue (``InFlight``), so
+    the read does not stall the devices. Start the next interval from ``zeros``.
+
+    A jitted train step is traced (not run twice) for its metric names and donation,
+    and the fused program donates the state exactly when the step does. A train step
+    written as plain Python runs as it is, and a second small program adds its metrics.
+
+    An interval is a pytree of three replicated arrays: ``sums`` (every metric element,
+    summed), ``steps`` (its step count; a small output to wait on, the token to give
+    ``InFlight.push``) and ``first_bad``. ``read`` gives an ``IntervalRead``: ``first``
+    and ``last`` (its steps), ``means`` (each metric's mean over them) and
+    ``first_bad_step`` (the first step whose watched metrics were not finite, or ``None``).
+
+    Attributes:
+      layout: where each metric lives in the packed vector.
+      step: ``step(state, batch, interval) -> (state, interval)``.
+      zeros: an empty interval, replicated on the mesh.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, meshkit
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> batches = [
+        ...     meshkit.shard_batch({"x": jnp.full((8,), float(k))}, meshkit.batch_sharding(mesh))
+        ...     for k in range(1, 5)
+        ... ]
+        >>> @jax.jit
+        ... def train_step(count, batch):
+        ...     return count + 1, {"loss": jnp.mean(batch["x"])}
+        >>> count = meshkit.replicate(jnp.zeros((), jnp.int32), mesh)
+        >>> sums, count, interval = MetricSums.first_step(train_step, count, batches[0], mesh=mesh)
+        >>> count, interval = sums.step(count, batches[1], interval)
+        >>> sums.read(interval, last_step=2).means  # the mean of steps 1 and 2
+        {'loss': 1.5}
+        >>> interval = sums.zeros
+        >>> for batch in batches[2:]:
+        ...     count, interval = sums.step(count, batch, interval)
+        >>> sums.read(interval, last_step=4)
+        IntervalRead(first=3, last=4, means={'loss': 3.5}, first_bad_step=None)
+    """
+
+    layout: MetricLayout
+    step: Callable[[Any, Any, Interval], tuple[Any, Interval]]
+    zeros: Interval
+
+    @classmethod
+    def first_step(
+        cls, train_step: StepFn, state: Any, batch: Any, *, mesh: Mesh
+    ) -> tuple[MetricSums, Any, Interval]:
+        """Runs the first step: returns the sums, the state after it, and its interval.
+
+        Args:
+          train_step: ``step(state, batch) -> (state, metrics)``, jitted or not, with
+            ``metrics`` a dict of arrays that holds ``loss`` (or ``grad_norm``).
+          state: the train state, placed on ``mesh``.
+          batch: the first batch.
+          mesh: the mesh the interval is replicated on.
+        """
+        if not hasattr(train_step, "trace"):
+            state, metrics = train_step(state, batch)
+            layout = MetricLayout.of(metrics)
+            update = interval_update(layout, mesh)
+            zeros = zero_interval(layout, mesh)
+
+            def unfused(state: Any, batch: Any, interval: Interval) -> tuple[Any, Interval]:
+                state, metrics = train_step(state, batch)
+                return state, update(interval, metrics)
+
+            return cls(layout, unfused, zeros), state, update(zeros, metrics)
+        traced = train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
+        layout = MetricLayout.of(traced.out_info[1])
+        donated = any(info.donated for info in jax.tree.leaves(traced.args_info[0][0]))
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+        fused = accumulating_step(train_step, layout, shardings, mesh, donate_state=donated)
+        zeros = zero_interval(layout, mesh)
+        state, interval = fused(state, batch, zeros)
+        return cls(layout, fused, zeros), state, interval
+
+    @staticmethod
+    def copy_to_host_async(interval: Interval) -> None:
+        """Starts copying ``interval`` to the host, so a later ``read`` finds it there."""
+        for leaf in interval:
+            leaf.copy_to_host_async()
+
+    def read(self, interval: Interval, last_step: int) -> IntervalRead:
+        """``interval`` (which ended at ``last_step``) on the host; waits until it is ready.
+
+        The caller checks ``first_bad_step``: ``fit`` raises ``NonFiniteLossError``.
+        """
+        return read_interval(self.layout, interval, last_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,27 +13,19 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from meshkit._compiles import count_compiles
-from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path
-from meshkit._types import Batch, Metrics, PerExampleFn
-from meshkit.data import EvalPipeline, GlobalBatchIterator, TrainPipeline
-from meshkit.evaluate import full_eval
+from meshkit._types import Batch, Metrics
+from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer, abstract_like
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
-from meshkit.train._interval import (
-    Interval,
-    MetricLayout,
-    accumulating_step,
-    interval_update,
-    read_interval,
-    zero_interval,
-)
+from meshkit.train._interval import Interval, MetricSums
 from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._profile import StepProfiler
-from meshkit.train._records import LearningRate, NonFiniteLossError, Records
+from meshkit.train._records import NonFiniteLossError, Records
+from meshkit.train._settings import Checkpoints, Dispatch, Evaluation, Logging, resolve_deprecated
 from meshkit.train._state import TrainState
-from meshkit.train._step import classification_metrics
-from meshkit.train._writers import JsonlWriter, MetricWriter
+from meshkit.train._writers import JsonlWriter
 
 __all__ = ["FitResult", "NonFiniteLossError", "fit"]
 
@@ -80,30 +73,23 @@ def fit(
     *,
     num_steps: int,
     workdir: PathLike,
-    eval_pipeline: EvalPipeline | None = None,
-    eval_every: int | None = None,
-    per_example_fn: PerExampleFn = classification_metrics,
-    checkpoint_every: int = 100,
-    keep_checkpoints: int = 3,
-    log_every: int = 10,
-    progress: bool = True,
-    max_in_flight: int | None = None,
-    writers: Sequence[MetricWriter] = (),
+    evaluation: Evaluation | None = None,
+    checkpoints: Checkpoints | None = None,
+    logging: Logging | None = None,
+    dispatch: Dispatch | None = None,
     hooks: Sequence[Hook] = (),
-    learning_rate: LearningRate | None = None,
-    profile_steps: tuple[int, int] | None = None,
-    checkpoint_dir: PathLike | None = None,
+    **deprecated: Any,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
 
     The host never waits for a step to finish before queuing the next: up to
-    ``max_in_flight`` steps are queued on the devices, input batches are placed on
-    them ahead of use by a background thread, and the step's metrics are summed on
-    the device. The host reads them once per ``log_every`` steps (one interval late,
-    so even that read does not stall the queue) and at evaluation, checkpoint and
-    preemption boundaries, where it also checks that no step's loss or gradient norm
-    was non-finite: a checkpoint is never written from a state that followed a
-    non-finite step.
+    ``dispatch.max_in_flight`` steps are queued on the devices, input batches are
+    placed on them ahead of use by a background thread, and the step's metrics are
+    summed on the device (``MetricSums``). The host reads them once per
+    ``logging.every`` steps (one interval late, so even that read does not stall the
+    queue) and at evaluation, checkpoint and preemption boundaries, where it also
+    checks that no step's loss or gradient norm was non-finite: a checkpoint is never
+    written from a state that followed a non-finite step.
 
     Checkpoints hold the train state and the data iterator's state, so a killed run
     restarted with the same arguments continues exactly where the last checkpoint left
@@ -124,30 +110,60 @@ def fit(
       num_steps: total steps, counted from the start of the run (not of this resume).
       workdir: where checkpoints, ``metrics.jsonl`` and profiles go: a local folder
         or an object-store URI (``gs://bucket/run``; see ``etils.epath``).
-      eval_pipeline: evaluated every ``eval_every`` steps and at the end.
-      eval_every: evaluation period in steps (default: only at the end).
-      per_example_fn: per-example metrics for evaluation.
-      checkpoint_every: save period in steps (the last step is always saved).
-      keep_checkpoints: how many checkpoints to keep.
-      log_every: steps per ``metrics.jsonl`` line (each line holds the means over the
-        steps since the previous line) and per progress bar update.
-      progress: show a progress bar (process 0 only).
-      max_in_flight: the most steps queued on the devices at once; by default
-        ``default_max_in_flight(mesh)`` (1 on CPU devices, 3 on GPUs and TPUs).
-      writers: more places for the records beside ``metrics.jsonl`` (process 0
-        writes): ``TensorBoardWriter``, ``WandbWriter`` or any ``MetricWriter``.
+      evaluation: full evaluation, e.g. ``Evaluation(eval_pipeline, every=100)``;
+        ``None``: no evaluation.
+      checkpoints: when and where to save; ``None``: ``Checkpoints()`` (every 100
+        steps and after the last, keeping 3, in ``workdir/checkpoints``).
+      logging: the records, progress bar and writers; ``None``: ``Logging()`` (a
+        record every 10 steps, with a progress bar).
+      dispatch: steps queued at once and profiled steps; ``None``: ``Dispatch()``
+        (``default_max_in_flight(mesh)`` steps, no profile).
       hooks: called at log, evaluation and checkpoint boundaries with a ``Boundary``;
         one returning ``True`` stops the run after saving (``EarlyStopping``).
-      learning_rate: the optimizer's schedule (or constant rate), recorded as
-        ``learning_rate`` in each training record.
-      profile_steps: ``(first_step, count)``: a ``jax.profiler`` trace of those
-        steps in ``workdir/profile/process_<i>``.
-      checkpoint_dir: where checkpoints go instead of ``workdir/checkpoints``.
+      **deprecated: the keywords of earlier releases (``eval_pipeline``,
+        ``eval_every``, ``per_example_fn``, ``checkpoint_every``, ``keep_checkpoints``,
+        ``checkpoint_dir``, ``log_every``, ``progress``, ``writers``,
+        ``learning_rate``, ``max_in_flight``, ``profile_steps``), accepted with a
+        ``DeprecationWarning`` until the next release.
+
+    Raises:
+      TypeError: an unknown keyword, or an old keyword beside the object that covers it.
+
+    Examples:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, meshkit
+        >>> from meshkit import data, models, train
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> sharding = meshkit.batch_sharding(mesh)
+        >>> model = train.linen_model(models.MnistCNN(), jnp.zeros((1, 8, 8, 1)))
+        >>> state = train.create_train_state(model, optax.sgd(0.05), mesh, seed=0)
+        >>> step = train.make_train_step(
+        ...     train.classification_loss, train.state_shardings_of(state), sharding
+        ... )
+        >>> result = fit(
+        ...     state,
+        ...     step,
+        ...     data.TrainPipeline(data.digits("train"), global_batch_size=64, sharding=sharding),
+        ...     num_steps=4,
+        ...     workdir=tempfile.mkdtemp(),
+        ...     checkpoints=Checkpoints(every=2, keep=1),
+        ...     logging=Logging(every=2, progress=False),
+        ... )
+        >>> result.step, result.train_step_compiles
+        (4, 1)
     """
+    settings = resolve_deprecated(
+        deprecated,
+        {
+            "evaluation": evaluation,
+            "checkpoints": checkpoints,
+            "logging": logging,
+            "dispatch": dispatch,
+        },
+        valid=_PARAMETERS,
+    )
+    del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
-    if log_every < 1:
-        raise ValueError(f"log_every must be >= 1, got {log_every}.")
     if pipeline.num_steps is not None and pipeline.num_steps < num_steps:
         raise ValueError(
             f"The pipeline has {pipeline.num_steps} steps but fit needs {num_steps}; "
@@ -155,38 +171,40 @@ def fit(
         )
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
-    window: InFlight[_Queued] = InFlight(
-        default_max_in_flight(mesh) if max_in_flight is None else max_in_flight
-    )
+    window: InFlight[_Queued] = settings.dispatch.window(mesh)
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(
-        workdir / "checkpoints" if checkpoint_dir is None else checkpoint_dir,
-        save_every=checkpoint_every,
-        keep=keep_checkpoints,
-    )
+    checkpointer = settings.checkpoints.checkpointer(workdir)
     resumed = checkpointer.resume(abstract_like(state))  # the newest intact checkpoint
     resumed_from = data_state = None
     if resumed is not None:
         state, data_state, resumed_from = resumed.state, resumed.data, resumed.step
     start = 0 if data_state is None else int(data_state["step"])
-    evaluator = None
-    if eval_pipeline is not None:
-        evaluator = _Evaluator(per_example_fn, eval_pipeline, eval_every)
     bar = tqdm(
         total=num_steps,
         initial=start,
         unit="step",
-        disable=not progress or jax.process_index() != 0,
+        disable=not settings.logging.progress or jax.process_index() != 0,
     )
-    profiler = StepProfiler(profile_steps, workdir / "profile")
+    profiler = StepProfiler(settings.dispatch.profile_steps, workdir / "profile")
     records = Records(
-        [JsonlWriter(workdir / "metrics.jsonl"), *writers], bar, checkpointer, learning_rate
+        [JsonlWriter(workdir / "metrics.jsonl"), *settings.logging.writers],
+        bar,
+        checkpointer,
+        settings.logging.learning_rate,
     )
     records.start(start)
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
-    loop = _Loop(state, records, batches, evaluator, window, log_every=log_every, hooks=hooks)
+    loop = _Loop(
+        state,
+        records,
+        batches,
+        settings.evaluation,
+        window,
+        log_every=settings.logging.every,
+        hooks=hooks,
+    )
     began = time.perf_counter()
     try:
         with count_compiles() as compiles:
@@ -194,6 +212,7 @@ def fit(
                 train_step,
                 mesh,
                 watcher,
+                settings.checkpoints,
                 checkpointer,
                 profiler=profiler,
                 start=start,
@@ -225,18 +244,7 @@ def fit(
     )
 
 
-@dataclasses.dataclass
-class _Evaluator:
-    per_example_fn: PerExampleFn
-    pipeline: EvalPipeline
-    every: int | None
-
-    def due(self, step: int, last: bool) -> bool:
-        return last or bool(self.every and step % self.every == 0)
-
-    def __call__(self, state: TrainState) -> dict[str, float]:
-        result = full_eval(self.per_example_fn, state, self.pipeline)
-        return {"count": result.count, **result.metrics}
+_PARAMETERS = tuple(inspect.signature(fit).parameters)[:-1]  # all but **deprecated
 
 
 @dataclasses.dataclass
@@ -256,7 +264,7 @@ class _Loop:
         state: TrainState,
         records: Records,
         batches: GlobalBatchIterator,
-        evaluator: _Evaluator | None,
+        evaluation: Evaluation | None,
         window: InFlight[_Queued],
         *,
         log_every: int,
@@ -265,7 +273,7 @@ class _Loop:
         self.state = state
         self.records = records
         self.batches = batches
-        self.evaluator = evaluator
+        self.evaluation = evaluation
         self.window = window
         self.log_every = log_every
         self.hooks = tuple(hooks)
@@ -275,42 +283,14 @@ class _Loop:
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
-        self._layout: MetricLayout | None = None
-
-    def _first_step(
-        self, train_step: Callable[..., Any], mesh: Mesh, batch: Batch
-    ) -> tuple[Callable[..., Any], Interval, Interval]:
-        """Runs the first step; returns the step to use from now on, the interval, and zeros.
-
-        A jitted train step is traced (not run) for its metric names and donation, and
-        fused with the metric sums into one program. A plain Python step runs as it
-        is, and a second small program adds its metrics.
-        """
-        if not hasattr(train_step, "trace"):
-            self.state, metrics = train_step(self.state, batch)
-            self._layout = MetricLayout.of(metrics)
-            update = interval_update(self._layout, mesh)
-            zeros = zero_interval(self._layout, mesh)
-
-            def unfused(state: Any, batch: Batch, interval: Interval) -> tuple[Any, Interval]:
-                state, metrics = train_step(state, batch)
-                return state, update(interval, metrics)
-
-            return unfused, update(zeros, metrics), zeros
-        traced = train_step.trace(self.state, batch)  # pyright: ignore[reportFunctionMemberAccess]
-        self._layout = MetricLayout.of(traced.out_info[1])
-        donated = any(info.donated for info in jax.tree.leaves(traced.args_info[0][0]))
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, self.state)
-        fused = accumulating_step(train_step, self._layout, shardings, mesh, donate_state=donated)
-        zeros = zero_interval(self._layout, mesh)
-        self.state, interval = fused(self.state, batch, zeros)
-        return fused, interval, zeros
+        self._sums: MetricSums | None = None
 
     def run(
         self,
         train_step: Callable[..., Any],
         mesh: Mesh,
         watcher: PreemptionWatcher,
+        checkpoints: Checkpoints,
         checkpointer: Checkpointer,
         *,
         profiler: StepProfiler,
@@ -319,38 +299,41 @@ class _Loop:
     ) -> int:
         """Runs steps ``start + 1 .. num_steps``; returns the last step taken."""
         step = start
-        step_fn = zeros = interval = None
+        sums = interval = None
         for step in range(start + 1, num_steps + 1):
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 batch = next(self.batches)
-                if step_fn is None or zeros is None or interval is None:
-                    step_fn, interval, zeros = self._first_step(train_step, mesh, batch)
+                if sums is None or interval is None:
+                    sums, self.state, interval = MetricSums.first_step(
+                        train_step, self.state, batch, mesh=mesh
+                    )
+                    self._sums = sums
                     jax.block_until_ready(interval)  # the first step includes the compilation
                     self._first_done = time.perf_counter()
                 else:
-                    self.state, interval = step_fn(self.state, batch, interval)
+                    self.state, interval = sums.step(self.state, batch, interval)
             profiler.after(step, self.state)
             last = step == num_steps
-            evaluate = self.evaluator is not None and self.evaluator.due(step, last)
+            evaluate = self.evaluation is not None and self.evaluation.due(step, last=last)
             self.preempted = watcher.reached(step)
             stop = self.preempted or self.stop_requested
-            save = last or stop or checkpointer.should_save(step)
+            checkpointer.check(step)  # a save that failed in the background stops the run
+            save = checkpoints.due(step, last=last, stopping=stop)
             if save or evaluate:
                 self._boundary(step, interval, checkpointer if save else None, evaluate=evaluate)
-                interval = zeros
+                interval = sums.zeros
                 if stop:
                     break
                 continue
             closes_log = step % self.log_every == 0
             if closes_log:
-                for leaf in interval:
-                    leaf.copy_to_host_async()  # read one interval late, when it is ready
+                sums.copy_to_host_async(interval)  # read one interval late, when it is ready
             for queued in self.window.push(_Queued(step, interval, closes_log), interval.steps):
                 self._settle(queued)
             if closes_log:
-                interval = zeros
-        if start >= num_steps and self.evaluator is not None:
+                interval = sums.zeros
+        if start >= num_steps and self.evaluation is not None:
             self.evaluate(step)
         return step
 
@@ -378,16 +361,16 @@ class _Loop:
     def _settle(self, queued: _Queued) -> None:
         """Reads (and checks) a finished step's interval if it closes a log line."""
         if queued.closes_log:
-            assert self._layout is not None
-            read = read_interval(self._layout, queued.interval, queued.step)
+            assert self._sums is not None
+            read = self._sums.read(queued.interval, queued.step)
             values = self.records.interval(
                 read, paused=self._paused, input_wait=self.batches.wait_seconds
             )
             self._call_hooks("log", queued.step, values)
 
     def evaluate(self, step: int) -> None:
-        assert self.evaluator is not None
-        self.eval_metrics = self.evaluator(self.state)
+        assert self.evaluation is not None
+        self.eval_metrics = self.evaluation.run(self.state)
         self.records.write(step, {f"eval/{k}": v for k, v in self.eval_metrics.items()})
         self._call_hooks("eval", step, self.eval_metrics)
 

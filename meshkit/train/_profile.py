@@ -7,8 +7,6 @@ from typing import Any
 import jax
 from etils import epath
 
-from meshkit._checks import check_int
-
 
 class StepProfiler:
     """Traces steps ``first .. first + count - 1`` into ``directory/process_<i>``.
@@ -21,14 +19,10 @@ class StepProfiler:
     """
 
     def __init__(self, steps: tuple[int, int] | None, directory: epath.Path):
+        """``steps``: ``(first, count)``, checked by ``Dispatch``; ``None``: no trace."""
         self.first = self.last = 0
         if steps is not None:
-            if not isinstance(steps, tuple | list) or len(steps) != 2:
-                raise ValueError(
-                    f"profile_steps must be (first_step, count), e.g. (10, 5), got {steps!r}."
-                )
-            first = check_int(steps[0], name="profile_steps[0] (the first step)", minimum=1)
-            count = check_int(steps[1], name="profile_steps[1] (the step count)", minimum=1)
+            first, count = steps
             self.first, self.last = first, first + count - 1
         self.directory = directory / f"process_{jax.process_index()}"
         self.active = False

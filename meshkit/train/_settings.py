@@ -1,0 +1,330 @@
+"""``fit``'s settings: small frozen objects, one per concern, checked when they are made.
+
+``Evaluation`` (what to evaluate and when), ``Checkpoints`` (when and where to save:
+the checkpoint policy), ``Logging`` (records, progress bar, writers) and ``Dispatch``
+(how many steps are queued, which are profiled). Each one is also usable on its own
+by a loop of your own: ``Evaluation.due``/``run``, ``Checkpoints.due``/``checkpointer``,
+``Dispatch.window``.
+
+``fit``'s flat keywords of earlier releases (``eval_every=``, ``checkpoint_every=``...)
+still work for one release: ``resolve_deprecated`` turns them into these objects with
+a ``DeprecationWarning`` that names the new form (the table ``DEPRECATED`` says which
+field each one became).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from jax.sharding import Mesh
+
+from meshkit._checks import check_int
+from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._paths import PathLike, as_path
+from meshkit._types import PerExampleFn
+from meshkit.data import EvalPipeline
+from meshkit.evaluate import full_eval
+from meshkit.train._checkpoint import Checkpointer
+from meshkit.train._records import LearningRate
+from meshkit.train._step import classification_metrics
+from meshkit.train._writers import MetricWriter
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """Full evaluation during ``fit``: on which data, how often, with which metrics.
+
+    Attributes:
+      pipeline: the evaluation data (a ``meshkit.data.EvalPipeline``).
+      every: evaluation period in steps; ``None`` evaluates after the last step only
+        (a period evaluates after the last step too).
+      per_example_fn: ``fn(state, batch) -> {name: per-example values}``; the means
+        over every example are reported (``classification_metrics`` by default).
+
+    Examples:
+        >>> import meshkit
+        >>> from meshkit import data
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> test = data.EvalPipeline(
+        ...     data.digits("test"), global_batch_size=64, sharding=meshkit.batch_sharding(mesh)
+        ... )
+        >>> evaluation = Evaluation(test, every=50)
+        >>> [evaluation.due(step, last=step == 120) for step in (49, 50, 51, 120)]
+        [False, True, False, True]
+        >>> Evaluation(test, every=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Evaluation(every=...) must be an int >= 1 step, got 0. Pass every=None ...
+    """
+
+    pipeline: EvalPipeline
+    every: int | None = None
+    per_example_fn: PerExampleFn = classification_metrics
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipeline, EvalPipeline):
+            raise TypeError(
+                "Evaluation(pipeline) must be a meshkit.data.EvalPipeline (padded, masked "
+                f"batches that count every example once), got {type(self.pipeline).__name__}. "
+                "Build one with data.EvalPipeline(source, global_batch_size=..., sharding=...)."
+            )
+        if self.every is not None:
+            check_int(
+                self.every,
+                name="Evaluation(every=...)",
+                minimum=1,
+                unit="step",
+                fix="Pass every=None to evaluate after the last step only.",
+            )
+        if not callable(self.per_example_fn):
+            raise TypeError(
+                "Evaluation(per_example_fn=...) must be a function (state, batch) -> "
+                f"{{name: per-example values}}, got {self.per_example_fn!r}."
+            )
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether to evaluate after ``step``: every ``every`` steps, and after the last."""
+        return last or bool(self.every and step % self.every == 0)
+
+    def run(self, state: Any) -> dict[str, float]:
+        """Evaluates ``state`` on every example once: ``count`` plus each metric's mean."""
+        result = full_eval(self.per_example_fn, state, self.pipeline)
+        return {"count": result.count, **result.metrics}
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """The checkpoint policy: when to save, how many to keep, and where.
+
+    A checkpoint is due every ``every`` steps, after the last step, and when the run
+    stops early (a preemption or a hook): ``due`` says which, so a loop of your own
+    saves at the same steps as ``fit``. ``checkpointer`` opens the ``Checkpointer``;
+    call its ``check(step)`` at every step, so a save that failed in the background
+    stops the run at once, and ``save(step, state, data_state, force=True)`` when due.
+
+    Attributes:
+      every: save period in steps.
+      keep: how many of the newest checkpoints to keep.
+      directory: where they go; ``None``: ``<workdir>/checkpoints``.
+
+    Examples:
+        >>> policy = Checkpoints(every=10)
+        >>> [step for step in range(1, 26) if policy.due(step, last=step == 25)]
+        [10, 20, 25]
+        >>> policy.due(7, last=False, stopping=True)  # preempted: save before stopping
+        True
+        >>> Checkpoints(keep=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Checkpoints(keep=...) must be an int >= 1 checkpoint, got 0.
+    """
+
+    every: int = 100
+    keep: int = 3
+    directory: PathLike | None = None
+
+    def __post_init__(self) -> None:
+        check_int(
+            self.every,
+            name="Checkpoints(every=...)",
+            minimum=1,
+            unit="step",
+            fix="Pass every=num_steps to save after the last step only.",
+        )
+        check_int(self.keep, name="Checkpoints(keep=...)", minimum=1, unit="checkpoint")
+
+    def due(self, step: int, *, last: bool, stopping: bool = False) -> bool:
+        """Whether to save after ``step``: a multiple of ``every``, the last step, or a stop."""
+        return last or stopping or step % self.every == 0
+
+    def checkpointer(self, workdir: PathLike) -> Checkpointer:
+        """A ``Checkpointer`` on ``directory``, or on ``workdir/checkpoints``."""
+        directory = as_path(workdir) / "checkpoints" if self.directory is None else self.directory
+        return Checkpointer(directory, save_every=self.every, keep=self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logging:
+    """``fit``'s records: how often, and where beside ``metrics.jsonl``.
+
+    Attributes:
+      every: steps per training record (each holds the means over the steps since the
+        previous one) and per progress bar update.
+      progress: show a progress bar (process 0 only).
+      writers: more places for the records (process 0 writes):
+        ``TensorBoardWriter``, ``WandbWriter`` or any ``MetricWriter``.
+      learning_rate: the optimizer's schedule (or constant rate), recorded as
+        ``learning_rate`` in each training record.
+
+    Examples:
+        >>> Logging(every=5, progress=False).writers
+        ()
+        >>> Logging(writers=["tb"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: Logging(writers=...) must hold MetricWriters (start, write and close), got ...
+    """
+
+    every: int = 10
+    progress: bool = True
+    writers: Sequence[MetricWriter] = ()
+    learning_rate: LearningRate | None = None
+
+    def __post_init__(self) -> None:
+        check_int(self.every, name="Logging(every=...)", minimum=1, unit="step")
+        if not isinstance(self.progress, bool):
+            raise TypeError(f"Logging(progress=...) must be True or False, got {self.progress!r}.")
+        if isinstance(self.writers, MetricWriter) or not isinstance(self.writers, Sequence):
+            raise TypeError(
+                "Logging(writers=...) must be a list of MetricWriters, got "
+                f"{type(self.writers).__name__}. Pass writers=[writer]."
+            )
+        for writer in self.writers:
+            if not isinstance(writer, MetricWriter):
+                raise TypeError(
+                    "Logging(writers=...) must hold MetricWriters (start, write and close), "
+                    f"got {writer!r} ({type(writer).__name__}). Pass e.g. "
+                    "writers=[TensorBoardWriter(logdir)]."
+                )
+        object.__setattr__(self, "writers", tuple(self.writers))
+        rate = self.learning_rate
+        if not (rate is None or callable(rate) or isinstance(rate, int | float)):
+            raise TypeError(
+                "Logging(learning_rate=...) must be an optax schedule (step -> rate) or a "
+                f"number, got {rate!r} ({type(rate).__name__})."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """How ``fit`` hands steps to the devices: how many are queued, which are profiled.
+
+    Attributes:
+      max_in_flight: the most steps queued on the devices at once; ``None``:
+        ``default_max_in_flight(mesh)`` (1 on a mesh of several CPU devices, else 3).
+        The results are the same for any depth.
+      profile_steps: ``(first_step, count)``: a ``jax.profiler`` trace of those steps
+        in ``workdir/profile/process_<i>``; ``None``: no trace.
+
+    Examples:
+        >>> import jax, meshkit
+        >>> one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
+        >>> Dispatch().window(one).limit, Dispatch(max_in_flight=1).window(one).limit
+        (3, 1)
+        >>> Dispatch(profile_steps=(10, 0))
+        Traceback (most recent call last):
+        ...
+        ValueError: profile_steps[1] (the step count) must be an int >= 1, got 0.
+    """
+
+    max_in_flight: int | None = None
+    profile_steps: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None:
+            check_int(self.max_in_flight, name="max_in_flight", minimum=1, unit="step")
+        steps = self.profile_steps
+        if steps is None:
+            return
+        if not isinstance(steps, tuple | list) or len(steps) != 2:
+            raise ValueError(
+                f"profile_steps must be (first_step, count), e.g. (10, 5), got {steps!r}."
+            )
+        check_int(steps[0], name="profile_steps[0] (the first step)", minimum=1)
+        check_int(steps[1], name="profile_steps[1] (the step count)", minimum=1)
+        object.__setattr__(self, "profile_steps", tuple(steps))
+
+    def window(self, mesh: Mesh) -> InFlight[Any]:
+        """An empty window of ``max_in_flight`` steps (or the default for ``mesh``)."""
+        limit = default_max_in_flight(mesh) if self.max_in_flight is None else self.max_in_flight
+        return InFlight(limit)
+
+
+SETTINGS: dict[str, type] = {
+    "evaluation": Evaluation,
+    "checkpoints": Checkpoints,
+    "logging": Logging,
+    "dispatch": Dispatch,
+}
+"""``fit``'s settings parameters and their types."""
+
+DEPRECATED: dict[str, tuple[str, str]] = {
+    "eval_pipeline": ("evaluation", "pipeline"),
+    "eval_every": ("evaluation", "every"),
+    "per_example_fn": ("evaluation", "per_example_fn"),
+    "checkpoint_every": ("checkpoints", "every"),
+    "keep_checkpoints": ("checkpoints", "keep"),
+    "checkpoint_dir": ("checkpoints", "directory"),
+    "log_every": ("logging", "every"),
+    "progress": ("logging", "progress"),
+    "writers": ("logging", "writers"),
+    "learning_rate": ("logging", "learning_rate"),
+    "max_in_flight": ("dispatch", "max_in_flight"),
+    "profile_steps": ("dispatch", "profile_steps"),
+}
+"""``fit``'s keywords of earlier releases: ``old keyword -> (settings parameter, field)``."""
+
+
+class FitSettings(NamedTuple):
+    """``fit``'s settings after the old keywords were folded in, defaults filled."""
+
+    evaluation: Evaluation | None
+    checkpoints: Checkpoints
+    logging: Logging
+    dispatch: Dispatch
+
+
+def resolve_deprecated(
+    deprecated: Mapping[str, Any], given: Mapping[str, Any], *, valid: Sequence[str]
+) -> FitSettings:
+    """The settings ``given`` (parameter -> object or ``None``) with the old keywords folded in.
+
+    Each group of old keywords becomes its settings object, with one
+    ``DeprecationWarning`` naming the new form. An unknown keyword is a ``TypeError``
+    naming the ``valid`` ones; an old keyword beside the object that covers it is a
+    ``TypeError`` too (which one would win is not obvious).
+    """
+    unknown = [name for name in deprecated if name not in DEPRECATED]
+    if unknown:
+        raise TypeError(
+            f"fit() got an unexpected keyword argument {unknown[0]!r}. It takes "
+            f"{', '.join(valid)} (and, until the next release, the deprecated "
+            f"{', '.join(DEPRECATED)})."
+        )
+    resolved = dict(given)
+    for parameter, cls in SETTINGS.items():
+        olds = [name for name in deprecated if DEPRECATED[name][0] == parameter]
+        if not olds:
+            continue
+        fields = {DEPRECATED[name][1]: deprecated[name] for name in olds}
+        old = ", ".join(f"{name}=..." for name in olds)
+        new = _new_form(parameter, cls, fields)
+        if resolved[parameter] is not None:
+            raise TypeError(
+                f"fit() got both {parameter}= and {old}, which {parameter}= covers. "
+                f"Pass only {new}."
+            )
+        if cls is Evaluation and "pipeline" not in fields:
+            raise TypeError(f"fit({old}) has no eval_pipeline= to evaluate; pass {new}.")
+        warnings.warn(
+            f"fit({old}) is deprecated and will be removed in the next release; pass {new}.",
+            DeprecationWarning,
+            stacklevel=3,  # the caller of fit
+        )
+        resolved[parameter] = cls(**fields)
+    return FitSettings(
+        resolved["evaluation"],
+        resolved["checkpoints"] or Checkpoints(),
+        resolved["logging"] or Logging(),
+        resolved["dispatch"] or Dispatch(),
+    )
+
+
+def _new_form(parameter: str, cls: type, fields: Mapping[str, Any]) -> str:
+    """``evaluation=Evaluation(eval_pipeline, every=...)``: the call that replaces ``fields``."""
+    arguments = ["eval_pipeline"] if cls is Evaluation else []
+    arguments += [f"{name}=..." for name in fields if name != "pipeline"]
+    return f"{parameter}={cls.__name__}({', '.join(arguments)})"
