@@ -61,13 +61,21 @@ def main() -> None:
     for name, (precision, microbatches, unroll) in CANDIDATES.items():
         state = train.create_train_state(model, optax.sgd(0.01), mesh, precision=precision)
         shardings = train.state_shardings_of(state)
-        step = jax.jit(
-            train.train_step_fn(
+
+        def step_fn(state, batch, microbatches=microbatches, unroll=unroll):
+            grads = train.gradients(
                 train.classification_loss,
+                state,
+                batch,
+                state.step_rng(),
                 microbatches=microbatches,
                 batch_sharding=sharding,
-                unroll_microbatches=unroll,
-            ),
+                unroll=unroll,
+            )
+            return train.apply_update(state, grads)
+
+        step = jax.jit(
+            step_fn,
             in_shardings=(shardings, sharding),
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0,

@@ -5,23 +5,16 @@ computation is a ``jax.jit`` with its shardings declared at the boundary.
 """
 
 from meshkit import distributed as distributed
-from meshkit._batch import DataShard as DataShard
 from meshkit._batch import batch_sharding as batch_sharding
 from meshkit._batch import data_shard as data_shard
-from meshkit._batch import pad_rows as pad_rows
 from meshkit._batch import shard_batch as shard_batch
-from meshkit._compiles import CompileLog as CompileLog
 from meshkit._compiles import count_compiles as count_compiles
 from meshkit._describe import describe as describe
 from meshkit._host import replicate as replicate
 from meshkit._host import to_host as to_host
-from meshkit._inflight import InFlight as InFlight
-from meshkit._inflight import default_max_in_flight as default_max_in_flight
 from meshkit._logical import logical_axes as logical_axes
 from meshkit._mesh import DATA_AXIS as DATA_AXIS
-from meshkit._mesh import DEFAULT_AXIS_TYPE as DEFAULT_AXIS_TYPE
 from meshkit._mesh import make_mesh as make_mesh
-from meshkit._mesh import parse_axes as parse_axes
 from meshkit._rules import FSDP as FSDP
 from meshkit._rules import PartitionRules as PartitionRules
 from meshkit._rules import Placement as Placement

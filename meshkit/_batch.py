@@ -168,6 +168,12 @@ def data_shard(sharding: NamedSharding, global_batch_size: int) -> DataShard:
       sharding: the batch sharding, e.g. from ``batch_sharding``.
       global_batch_size: rows per global batch.
 
+    Returns:
+      The rows ``start`` (inclusive) to ``stop`` (exclusive) of each global batch, as
+      ``slice`` and ``size`` too; and ``index``, which of the ``count`` distinct row
+      blocks this is (processes holding replicas of the same rows get the same
+      ``index`` and must load identical data): a pipeline's shard id and shard count.
+
     Examples:
         >>> import meshkit
         >>> mesh = meshkit.make_mesh("data=-1")

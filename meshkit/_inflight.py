@@ -38,6 +38,7 @@ class InFlight(Generic[T]):
 
     ``push`` adds a step and waits for the oldest ones until at most ``limit`` are
     queued; it returns their items, now complete, oldest first. ``drain`` waits for all.
+    ``InFlight.for_mesh(mesh)`` has the depth ``fit`` uses on that mesh.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -51,6 +52,18 @@ class InFlight(Generic[T]):
     def __init__(self, limit: int):
         self.limit = check_int(limit, name="max_in_flight", minimum=1, unit="step")
         self._queued: collections.deque[tuple[T, jax.Array]] = collections.deque()
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh) -> InFlight[T]:
+        """An empty window of the default depth for ``mesh``: 1 on a mesh of several CPU
+        devices, else 3 (``default_max_in_flight`` says why).
+
+        Examples:
+            >>> import meshkit
+            >>> InFlight.for_mesh(meshkit.make_mesh("data=-1")).limit in (1, 3)
+            True
+        """
+        return cls(default_max_in_flight(mesh))
 
     def __len__(self) -> int:
         return len(self._queued)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_sharding,
         microbatches=args.microbatches,
     )
-    train.write_run_config(args.workdir, train.run_config(args, mesh))
+    train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 

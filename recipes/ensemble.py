@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         member_batches=not args.same_batches,
         microbatches=args.microbatches,
     )
-    train.write_run_config(args.workdir, train.run_config(args, mesh))
+    train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
         print(layout, flush=True)
 

@@ -9,6 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
+from meshkit import train
+from meshkit._batch import pad_rows
 
 
 def test_batch_sharding_spec_and_errors():
@@ -114,25 +116,25 @@ def test_a_replicating_axis_does_not_count_as_a_data_shard():
 
 def test_pad_rows_fills_with_zeros_or_wraps_and_masks():
     batch = {"x": np.array([[1, 2], [3, 4]]), "y": np.array([5, 6])}
-    zeros, mask = meshkit.pad_rows(batch, 5)
+    zeros, mask = pad_rows(batch, 5)
     assert zeros["x"].tolist() == [[1, 2], [3, 4], [0, 0], [0, 0], [0, 0]]
     assert zeros["y"].dtype == batch["y"].dtype and mask.tolist() == [1, 1, 0, 0, 0]
-    wrapped, mask = meshkit.pad_rows(batch, 5, fill="wrap")
+    wrapped, mask = pad_rows(batch, 5, fill="wrap")
     assert wrapped["y"].tolist() == [5, 6, 5, 6, 5] and mask.sum() == 2
-    same, mask = meshkit.pad_rows(batch, 2)
+    same, mask = pad_rows(batch, 2)
     assert same["y"].tolist() == [5, 6] and mask.all()
-    empty, mask = meshkit.pad_rows({"x": np.zeros((0, 2))}, 2)
+    empty, mask = pad_rows({"x": np.zeros((0, 2))}, 2)
     assert empty["x"].shape == (2, 2) and not mask.any()
     with pytest.raises(ValueError, match="got 2 rows, more than the 1 rows"):
-        meshkit.pad_rows(batch, 1)
+        pad_rows(batch, 1)
     with pytest.raises(ValueError, match="cannot wrap around 0 rows"):
-        meshkit.pad_rows({"x": np.zeros((0, 2))}, 2, fill="wrap")
+        pad_rows({"x": np.zeros((0, 2))}, 2, fill="wrap")
 
 
 def test_row_count_errors_name_the_caller_and_every_leaf():
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     with pytest.raises(ValueError, match=r"pad_rows: the leaves have different.*\{\"\['x'\]\": 3"):
-        meshkit.pad_rows({"x": np.zeros(3), "y": np.zeros(4)}, 8)
+        pad_rows({"x": np.zeros(3), "y": np.zeros(4)}, 8)
     with pytest.raises(ValueError, match=r"shard_batch: leaf \['x'\] is a scalar"):
         meshkit.shard_batch({"x": np.float32(0)}, sharding)
     with pytest.raises(ValueError, match="shard_batch got an empty pytree"):
@@ -163,5 +165,5 @@ def test_sizes_must_be_ints_not_bools_floats_or_strings(value, error, message):
 )
 def test_bounded_sizes_separate_wrong_types_from_bad_values(value, error, message):
     with pytest.raises(error, match=message):
-        meshkit.InFlight(value)
-    assert meshkit.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]
+        train.InFlight(value)
+    assert train.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]

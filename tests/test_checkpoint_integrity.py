@@ -22,6 +22,7 @@ from tqdm import tqdm
 import meshkit
 from meshkit import data, train
 from meshkit.testing import run_processes
+from meshkit.train._digest import tree_digest
 from meshkit.train._interval import IntervalRead
 from meshkit.train._records import Records
 
@@ -62,17 +63,15 @@ def placed(tree: dict[str, np.ndarray], mesh, spec=None) -> dict[str, jax.Array]
 
 def test_digest_matches_numpy_on_any_mesh_and_sees_one_bit():
     expected = {name: numpy_digest(value) for name, value in values().items()}
-    assert train.tree_digest(values()) == expected  # host values, on one device
+    assert tree_digest(values()) == expected  # host values, on one device
     for shape, spec in (("data=-1", P("data")), ("data=-1", P()), ("data=-1,model=1", P("model"))):
         mesh = meshkit.make_mesh(shape)
-        assert train.tree_digest(placed(values(), mesh, spec)) == expected, (shape, spec)
+        assert tree_digest(placed(values(), mesh, spec)) == expected, (shape, spec)
     key = {"rng": jax.random.key(3)}
-    assert train.tree_digest(key) == {
-        "rng": numpy_digest(np.asarray(jax.random.key_data(key["rng"])))
-    }
+    assert tree_digest(key) == {"rng": numpy_digest(np.asarray(jax.random.key_data(key["rng"])))}
     bits = values()["w"].view(np.uint32).copy()
     bits[17, 3] ^= 1 << 31  # the sign bit of one value
-    assert train.tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
+    assert tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
 
 
 def names(folder: Path) -> list[str]:
@@ -121,7 +120,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_pat
     mesh = meshkit.make_mesh("data=-1")
     saved = save_two_steps(tmp_path, mesh)
     damage(tmp_path / "2", kind)
-    target = train.abstract_like(placed(saved[2], mesh))
+    target = placed(saved[2], mesh)
     checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
     with pytest.raises(train.CheckpointDamagedError, match=DAMAGE[kind]) as info:
         checkpointer.restore(target)
@@ -152,7 +151,7 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     with pytest.raises(
         train.CheckpointDamagedError, match=r"No checkpoint in .* is intact: step 2: .*"
     ):
-        checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
+        checkpointer.resume(placed(saved[2], mesh))
     checkpointer.close()
     assert names(tmp_path) == ["1", "2"]
 
@@ -163,7 +162,7 @@ def test_a_deleted_digest_is_damage_and_an_older_checkpoint_restores_with_a_warn
 
     mesh = meshkit.make_mesh("data=-1")
     saved = save_two_steps(tmp_path, mesh)
-    target = train.abstract_like(placed(saved[2], mesh))
+    target = placed(saved[2], mesh)
     shutil.rmtree(tmp_path / "2" / "digest")
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
     with pytest.raises(train.CheckpointDamagedError, match=r"step 2 .* could not be read"):
@@ -279,10 +278,10 @@ def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[
         damage(Path(directory) / "2", "bit flip")
     multihost_utils.sync_global_devices("damaged")
     checkpointer = train.Checkpointer(directory, save_every=1)
-    resumed = checkpointer.resume(train.abstract_like(placed(saved[2], mesh)))
+    resumed = checkpointer.resume(placed(saved[2], mesh))
     checkpointer.close()
     assert resumed is not None
-    digest = train.tree_digest(placed(saved[2], mesh))
+    digest = tree_digest(placed(saved[2], mesh))
     return digest, resumed.step, [path.name for path in resumed.set_aside]
 
 
@@ -290,10 +289,10 @@ def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[
 def test_two_processes_save_the_digest_of_one_and_fall_back_together(tmp_path):
     results = run_processes(save_damage_resume, str(tmp_path))
     saved = {name: value + 2 for name, value in values().items() if name != "mask"}
-    assert results == [(train.tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
+    assert results == [(tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
     mesh = meshkit.make_mesh("data=-1")  # this process's own devices: another mesh
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
     saved = {name: value + 1 for name, value in values().items() if name != "mask"}
-    state, _ = checkpointer.restore(train.abstract_like(placed(saved, mesh)), step=1)  # verified
+    state, _ = checkpointer.restore(placed(saved, mesh), step=1)  # verified
     checkpointer.close()
     np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved["w"])

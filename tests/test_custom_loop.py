@@ -46,7 +46,7 @@ def loop_by_hand(state, train_step, pipeline, *, num_steps, workdir, policy):
     """fit's parts in a loop of one's own; returns the state and the logged mean losses."""
     mesh = pipeline.sharding.mesh
     checkpointer = policy.checkpointer(workdir)
-    window = train.InFlight(train.default_max_in_flight(mesh))
+    window = train.InFlight.for_mesh(mesh)
     logged = []
 
     def read(step, interval):

@@ -36,14 +36,8 @@ from meshkit.data import (
     write_array_record,
 )
 from meshkit.data.convert import convert
-from meshkit.testing import (
-    cifar_batch,
-    write_cifar10,
-    write_cifar100,
-    write_idx,
-    write_mnist,
-    write_pickle,
-)
+from meshkit.testing import write_cifar10, write_cifar100, write_mnist
+from meshkit.testing._files import cifar_batch, write_idx, write_pickle
 
 pytestmark = pytest.mark.once  # file readers and sources: no devices involved
 

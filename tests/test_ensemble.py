@@ -13,6 +13,7 @@ import pytest
 
 import meshkit
 from meshkit import data, ensemble, evaluate, train
+from meshkit.ensemble._metrics import member_metric_name
 from meshkit.models import NormCNN
 
 BATCH = 32
@@ -320,7 +321,7 @@ def test_a_train_loss_reports_its_own_metrics_for_every_member():
     assert sorted(metrics) == sorted(
         ["loss", "grad_norm"]
         + [
-            ensemble.member_metric_name(i, n)
+            member_metric_name(i, n)
             for i in range(2)
             for n in ("loss", "grad_norm", "margin", "count")
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,15 @@ pytestmark = pytest.mark.devices(8)  # members on 2 devices, each member's rows 
 TX = optax.adam(1e-2)
 
 
-def _run(layout, batches, *, microbatches=1, strategy="auto", precision=None, state=None):
+def _run(
+    layout,
+    batches,
+    *,
+    microbatches=1,
+    strategy: Literal["auto", "vmap", "loop"] = "auto",
+    precision=None,
+    state=None,
+):
     if state is None:
         state = ensemble.create_ensemble_state(tiny_model(), TX, layout, precision=precision)
     step = ensemble.make_ensemble_step(
@@ -85,6 +95,7 @@ def test_float16_skips_an_overflowing_member_and_leaves_the_others_untouched():
     layout = layout_for(2, "ensemble=2,data=4")
     batches = host_batches(1)
     initial = ensemble.create_ensemble_state(tiny_model(), TX, layout, precision="f16")
+    assert initial.loss_scale is not None
     assert meshkit.to_host(initial.loss_scale.scale).tolist() == [2.0**15, 2.0**15]
     # Member 0's scale overflows float16 in the backward pass (2^40 > 65504); member 1's not.
     overflowing = _with_member_scale(initial, 0, 2.0**40)
@@ -103,6 +114,7 @@ def test_float16_skips_an_overflowing_member_and_leaves_the_others_untouched():
     assert ensemble.per_member(metrics, "loss_scale").tolist() == [2.0**40, 2.0**15]
     assert ensemble.per_member(metrics, "grad_norm")[0] == 0.0
     assert metrics["skipped"] == 0.5
+    assert skipped.loss_scale is not None
     assert meshkit.to_host(skipped.loss_scale.scale).tolist() == [2.0**39, 2.0**15]
     assert meshkit.to_host(skipped.step).tolist() == [1, 1]  # a skipped step still counts
 

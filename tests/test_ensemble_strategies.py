@@ -12,6 +12,7 @@ import pytest
 
 import meshkit
 from meshkit import data, ensemble, train
+from meshkit.ensemble._strategy import resolve_strategy
 from meshkit.models import NormCNN
 
 # vmap and loop agree; the 8-device pass has several members per device too
@@ -102,6 +103,6 @@ def test_vmap_and_loop_predict_and_evaluate_alike():
 
 def test_auto_picks_the_loop_on_cpu_and_bad_strategies_are_explained():
     layout = layout_for(8, None)
-    assert ensemble.resolve_strategy("auto", layout) == "loop"
+    assert resolve_strategy("auto", layout) == "loop"
     with pytest.raises(ValueError, match=r"one of \['auto', 'vmap', 'loop'\], got 'scan'"):
         ensemble.make_ensemble_step(ensemble.classification_loss, layout, strategy="scan")  # pyright: ignore[reportArgumentType]

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import parse_axes
+from meshkit._mesh import parse_axes
 
 
 def test_parse_axes_from_string_and_mapping_agree():

@@ -58,7 +58,7 @@ def final_params(workdir: Path) -> list[np.ndarray]:
     model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
     target = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh)
     checkpointer = train.Checkpointer(workdir / "checkpoints", save_every=1)
-    state, _ = checkpointer.restore(train.abstract_like(target))
+    state, _ = checkpointer.restore(target)
     checkpointer.close()
     return [np.asarray(leaf) for leaf in jax.tree.leaves(meshkit.to_host(state))]
 

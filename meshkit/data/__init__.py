@@ -38,12 +38,10 @@ from meshkit.data._formats import write_digits_images as write_digits_images
 from meshkit.data._formats import write_image_folder as write_image_folder
 from meshkit.data._formats import write_image_records as write_image_records
 from meshkit.data._iterator import GlobalBatchIterator as GlobalBatchIterator
-from meshkit.data._iterator import check_state as check_state
 from meshkit.data._pipeline import EvalPipeline as EvalPipeline
 from meshkit.data._pipeline import EvalTransform as EvalTransform
 from meshkit.data._pipeline import TrainPipeline as TrainPipeline
 from meshkit.data._pipeline import Transform as Transform
-from meshkit.data._pipeline import stack_records as stack_records
 from meshkit.data._source import ArraySource as ArraySource
 from meshkit.data._source import Record as Record
 from meshkit.data._source import Source as Source

@@ -4,15 +4,11 @@ Examples:
     >>> from meshkit.testing import run_processes, set_cpu_devices
 """
 
-from meshkit.testing._files import cifar_batch as cifar_batch
 from meshkit.testing._files import write_cifar10 as write_cifar10
 from meshkit.testing._files import write_cifar100 as write_cifar100
-from meshkit.testing._files import write_idx as write_idx
 from meshkit.testing._files import write_mnist as write_mnist
-from meshkit.testing._files import write_pickle as write_pickle
 from meshkit.testing._processes import ProcessFailedError as ProcessFailedError
 from meshkit.testing._processes import ProcessGroup as ProcessGroup
-from meshkit.testing._processes import free_port as free_port
 from meshkit.testing._processes import run_processes as run_processes
 from meshkit.testing._processes import set_cpu_devices as set_cpu_devices
 from meshkit.testing._processes import start_processes as start_processes

@@ -64,7 +64,7 @@ def cifar_batch(n: int, rng: np.random.Generator, **labels: list[int]) -> CifarB
 
     Examples:
         >>> import numpy as np
-        >>> from meshkit.testing import cifar_batch
+        >>> from meshkit.testing._files import cifar_batch
         >>> batch = cifar_batch(2, np.random.default_rng(0), labels=[3, 1])
         >>> batch[b"data"].shape, batch[b"labels"]
         ((2, 3072), [3, 1])

@@ -1,15 +1,10 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
 from meshkit._inflight import InFlight as InFlight
-from meshkit._inflight import default_max_in_flight as default_max_in_flight
 from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
-from meshkit.train._checkpoint import Restored as Restored
-from meshkit.train._checkpoint import abstract_like as abstract_like
-from meshkit.train._config import run_config as run_config
 from meshkit.train._config import write_run_config as write_run_config
-from meshkit.train._digest import tree_digest as tree_digest
 from meshkit.train._gradients import Gradients as Gradients
 from meshkit.train._gradients import LossFn as LossFn
 from meshkit.train._gradients import LossOutput as LossOutput
@@ -43,7 +38,6 @@ from meshkit.train._step import apply_model as apply_model
 from meshkit.train._step import classification_loss as classification_loss
 from meshkit.train._step import classification_metrics as classification_metrics
 from meshkit.train._step import make_train_step as make_train_step
-from meshkit.train._step import train_step_fn as train_step_fn
 from meshkit.train._writers import JsonlWriter as JsonlWriter
 from meshkit.train._writers import MetricWriter as MetricWriter
 from meshkit.train._writers import TensorBoardWriter as TensorBoardWriter

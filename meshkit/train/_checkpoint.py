@@ -100,7 +100,7 @@ class Checkpointer:
         >>> checkpointer.save(10, {"w": jnp.ones(3)}, {"step": 10})
         True
         >>> checkpointer.wait()
-        >>> state, data = checkpointer.restore(abstract_like({"w": jnp.ones(3)}))
+        >>> state, data = checkpointer.restore({"w": jnp.ones(3)})
         >>> data, state["w"].tolist()
         ({'step': 10}, [1.0, 1.0, 1.0])
         >>> checkpointer.close()
@@ -190,8 +190,11 @@ class Checkpointer:
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores the newest (or ``step``'s) checkpoint into ``target``'s structure and shardings.
 
-        Returns the train state and the data state, after checking the state against
-        the digest saved with it.
+        ``target`` is a state like the saved one, live or abstract (``jax.ShapeDtypeStruct``
+        leaves with shardings, e.g. from ``abstract_train_state``): only its structure,
+        shapes, dtypes and shardings are used, so restoring into a state built on another
+        mesh re-shards the checkpoint onto that mesh. Returns the train state and the
+        data state, after checking the state against the digest saved with it.
 
         Raises:
           CheckpointDamagedError: a file of the checkpoint is missing or cut short, or
@@ -201,6 +204,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+        target = abstract_like(target)
         try:
             read = self._storage.read(step, target)
         except Exception as error:

@@ -70,11 +70,26 @@ def run_config(arguments: Mapping[str, Any] | argparse.Namespace, mesh: Mesh) ->
     }
 
 
-def write_run_config(workdir: PathLike, config: Mapping[str, Any]) -> epath.Path:
-    """Writes ``config`` as ``<workdir>/config.json`` (on process 0); returns the path.
+def write_run_config(
+    workdir: PathLike, arguments: Mapping[str, Any] | argparse.Namespace, mesh: Mesh
+) -> epath.Path:
+    """Writes what a run was started with as ``<workdir>/config.json`` (on process 0).
 
-    A resumed run writes it again: the file describes the latest start.
+    The record holds ``arguments`` (an ``argparse.Namespace`` or a mapping; paths
+    become strings), the command line, the mesh's axes, the device platform, kind and
+    count, the process count, and the versions of Python and of meshkit, jax, jaxlib,
+    flax, optax, orbax-checkpoint, grain and numpy. A resumed run writes it again: the
+    file describes the latest start. Returns the file's path.
+
+    Examples:
+        >>> import json, tempfile, meshkit
+        >>> path = write_run_config(tempfile.mkdtemp(), {"learning_rate": 0.1},
+        ...                         meshkit.make_mesh("data=-1"))
+        >>> config = json.loads(path.read_text())
+        >>> config["arguments"], config["devices"]["platform"], "jax" in config["versions"]
+        ({'learning_rate': 0.1}, 'cpu', True)
     """
+    config = run_config(arguments, mesh)
     path = as_path(workdir) / "config.json"
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

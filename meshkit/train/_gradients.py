@@ -58,7 +58,7 @@ class Gradients(NamedTuple):
 
 
 def gradients(
-    loss_fn: LossFn,
+    loss_fn: Callable[[Any, TrainState, Batch, jax.Array], tuple[jax.Array, Any]],
     state: TrainState,
     batch: Batch,
     rng: jax.Array,
@@ -68,6 +68,10 @@ def gradients(
     unroll: bool | None = None,
 ) -> Gradients:
     """The gradients of ``loss_fn`` at ``state.params`` on ``batch``, inside a jitted step.
+
+    ``loss_fn`` is a ``LossFn``: ``(params, state, batch, rng) -> (loss, output)``,
+    where ``output`` is a ``LossOutput`` (or another ``NamedTuple`` with its
+    ``collections`` and ``metrics``, such as an ensemble member's ``MemberOutput``).
 
     With a loss scale in the state (float16 compute) the loss is multiplied by the
     scale before the backward pass and the gradients divided by it again. With
@@ -102,7 +106,9 @@ def gradients(
     return _accumulated(loss_fn, state, parts, rng, unroll=unroll)
 
 
-def _gradients(loss_fn: LossFn, state: TrainState, batch: Batch, rng: jax.Array) -> Gradients:
+def _gradients(
+    loss_fn: Callable[..., Any], state: TrainState, batch: Batch, rng: jax.Array
+) -> Gradients:
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
     def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
@@ -151,7 +157,7 @@ def _split_batch(batch: Batch, microbatches: int, sharding: NamedSharding | None
 
 
 def _accumulated(
-    loss_fn: LossFn, state: TrainState, parts: Batch, rng: jax.Array, *, unroll: bool
+    loss_fn: Callable[..., Any], state: TrainState, parts: Batch, rng: jax.Array, *, unroll: bool
 ) -> Gradients:
     """``_gradients`` averaged over the leading micro-batch axis of ``parts``."""
     microbatches = next(iter(parts.values())).shape[0]

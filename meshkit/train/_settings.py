@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from jax.sharding import Mesh
 
 from meshkit._checks import check_int
-from meshkit._inflight import InFlight, default_max_in_flight
+from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path
 from meshkit._types import PerExampleFn
 from meshkit.data import EvalPipeline
@@ -239,8 +239,9 @@ class Dispatch:
 
     def window(self, mesh: Mesh) -> InFlight[Any]:
         """An empty window of ``max_in_flight`` steps (or the default for ``mesh``)."""
-        limit = default_max_in_flight(mesh) if self.max_in_flight is None else self.max_in_flight
-        return InFlight(limit)
+        if self.max_in_flight is None:
+            return InFlight.for_mesh(mesh)
+        return InFlight(self.max_in_flight)
 
 
 SETTINGS: dict[str, type] = {

@@ -28,10 +28,6 @@ from meshkit.data.image._ops import CIFAR10_MEAN as CIFAR10_MEAN
 from meshkit.data.image._ops import CIFAR10_STD as CIFAR10_STD
 from meshkit.data.image._ops import IMAGENET_MEAN as IMAGENET_MEAN
 from meshkit.data.image._ops import IMAGENET_STD as IMAGENET_STD
-from meshkit.data.image._ops import Box as Box
-from meshkit.data.image._ops import Encoded as Encoded
-from meshkit.data.image._ops import Resample as Resample
-from meshkit.data.image._ops import Size as Size
 from meshkit.data.image._ops import center_crop as center_crop
 from meshkit.data.image._ops import decode as decode
 from meshkit.data.image._ops import decode_and_random_crop as decode_and_random_crop
