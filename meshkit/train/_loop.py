@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from etils import epath
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -17,7 +18,7 @@ from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
-from meshkit.train._checkpoint import Checkpointer, abstract_like
+from meshkit.train._checkpoint import Checkpointer
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval, MetricSums
 from meshkit.train._preemption import PreemptionWatcher
@@ -162,38 +163,19 @@ def fit(
         valid=_PARAMETERS,
     )
     del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
-    if pipeline.num_steps is not None and pipeline.num_steps < num_steps:
-        raise ValueError(
-            f"The pipeline has {pipeline.num_steps} steps but fit needs {num_steps}; "
-            "pass num_epochs=None for an endless pipeline."
-        )
+    _check_steps(num_steps, pipeline)
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = settings.dispatch.window(mesh)
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = settings.checkpoints.checkpointer(workdir)
-    resumed = checkpointer.resume(abstract_like(state))  # the newest intact checkpoint
-    resumed_from = data_state = None
-    if resumed is not None:
-        state, data_state, resumed_from = resumed.state, resumed.data, resumed.step
+    resumed = checkpointer.resume(state)  # the newest intact checkpoint
+    data_state = None if resumed is None else resumed.data
+    state = state if resumed is None else resumed.state
     start = 0 if data_state is None else int(data_state["step"])
-    bar = tqdm(
-        total=num_steps,
-        initial=start,
-        unit="step",
-        disable=not settings.logging.progress or jax.process_index() != 0,
-    )
+    records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)
     profiler = StepProfiler(settings.dispatch.profile_steps, workdir / "profile")
-    records = Records(
-        [JsonlWriter(workdir / "metrics.jsonl"), *settings.logging.writers],
-        bar,
-        checkpointer,
-        settings.logging.learning_rate,
-    )
-    records.start(start)
     batches = GlobalBatchIterator(pipeline, state=data_state)
     watcher = PreemptionWatcher()
     loop = _Loop(
@@ -226,7 +208,54 @@ def fit(
         bar.close()
         records.close()
         checkpointer.close()
-    wall = time.perf_counter() - began
+    return _result(
+        loop,
+        step,
+        start=start,
+        resumed_from=None if resumed is None else resumed.step,
+        wall=time.perf_counter() - began,
+        batches=batches,
+        train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
+    )
+
+
+def _check_steps(num_steps: int, pipeline: TrainPipeline) -> None:
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
+    if pipeline.num_steps is not None and pipeline.num_steps < num_steps:
+        raise ValueError(
+            f"The pipeline has {pipeline.num_steps} steps but fit needs {num_steps}; "
+            "pass num_epochs=None for an endless pipeline."
+        )
+
+
+def _open_records(
+    logging: Logging, workdir: epath.Path, checkpointer: Checkpointer, start: int, num_steps: int
+) -> tuple[Records, tqdm]:
+    """The run's records (``metrics.jsonl`` and ``logging.writers``) and its progress bar."""
+    bar = tqdm(
+        total=num_steps,
+        initial=start,
+        unit="step",
+        disable=not logging.progress or jax.process_index() != 0,
+    )
+    writers = [JsonlWriter(workdir / "metrics.jsonl"), *logging.writers]
+    records = Records(writers, bar, checkpointer, logging.learning_rate)
+    records.start(start)
+    return records, bar
+
+
+def _result(
+    loop: _Loop,
+    step: int,
+    *,
+    start: int,
+    resumed_from: int | None,
+    wall: float,
+    batches: GlobalBatchIterator,
+    train_step_compiles: int,
+) -> FitResult:
+    """The run's ``FitResult``: its state, step, records and timings."""
     timed_steps = step - start - 1  # the first step of a run includes its compilation
     return FitResult(
         state=loop.state,
@@ -239,8 +268,8 @@ def fit(
         steps_per_second=timed_steps / loop.elapsed if min(timed_steps, loop.elapsed) > 0 else 0.0,
         input_wait_fraction=batches.wait_seconds / max(wall - batches.startup_seconds, 1e-9),
         input_startup_seconds=batches.startup_seconds,
-        train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
-        max_in_flight=window.limit,
+        train_step_compiles=train_step_compiles,
+        max_in_flight=loop.window.limit,
     )
 
 
