@@ -227,8 +227,7 @@ def pad_rows(
 
     Examples:
         >>> import numpy as np
-        >>> import meshkit
-        >>> padded, mask = meshkit.pad_rows({"x": np.array([1, 2])}, 4, fill="wrap")
+        >>> padded, mask = pad_rows({"x": np.array([1, 2])}, 4, fill="wrap")
         >>> padded["x"].tolist(), mask.tolist()
         ([1, 2, 1, 2], [True, True, False, False])
     """
