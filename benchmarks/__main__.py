@@ -18,6 +18,7 @@ BENCHMARKS = [
     "full_eval",
     "ensemble",
     "lbfgs",
+    "plan",
 ]
 
 

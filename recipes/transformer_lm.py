@@ -20,6 +20,8 @@ Other runs::
     python -m recipes.transformer_lm --mesh data=2,model=4     # more tensor parallelism
     python -m recipes.transformer_lm --num-layers 4 --embed-dim 256 --steps 5000  # bigger, longer
     python -m meshkit.launch -n 2 -d 4 -- python -m recipes.transformer_lm   # as 2 hosts
+    python -m recipes.transformer_lm --plan        # plan the layout on these devices first
+    python -m recipes.transformer_lm --layout workdir/plan/plan.json   # a plan's choice
 
 One table, ``LOGICAL_RULES``, maps the model's logical axis names to mesh axes; every
 parameter, optimizer moment and activation follows it. Rerunning with the same
@@ -67,6 +69,17 @@ TARGET_BPC = 2.3
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = recipe_parser(__doc__, workdir="workdir/transformer_lm", progress=True)
     parser.add_argument("--mesh", default="data=4,model=2", help="mesh axes: data and model")
+    parser.add_argument(
+        "--layout",
+        help="PLAN.json or PLAN.json:NAME, a plan from python -m meshkit.plan: its (chosen "
+        "or named) layout sets the mesh, the rules, remat and micro-batches",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="plan the layouts of these devices for --plan-for first and train with the best",
+    )
+    parser.add_argument("--plan-for", default="h100", help="the accelerator --plan sizes for")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--embed-dim", type=int, default=128)
@@ -151,14 +164,53 @@ def sample(state: Any, prompt: bytes, length: int, *, temperature: float = 0.8) 
     return np.asarray(meshkit.to_host(written))[0]
 
 
-def create_state(module: Any, tx: Any, mesh: Any, *, seed: int = 0, precision: str = "f32") -> Any:
-    """The train state of ``module`` (a ``Transformer``), laid out by ``RULES``."""
+def create_state(
+    module: Any,
+    tx: Any,
+    mesh: Any,
+    *,
+    seed: int = 0,
+    precision: str = "f32",
+    rules: meshkit.PartitionRules = RULES,
+) -> Any:
+    """The train state of ``module`` (a ``Transformer``), laid out by ``rules``."""
     import jax.numpy as jnp
 
     from meshkit import train
 
     model = train.linen_model(module, jnp.zeros((1, module.max_length), jnp.int32))
-    return train.create_train_state(model, tx, mesh, rules=RULES, seed=seed, precision=precision)
+    return train.create_train_state(model, tx, mesh, rules=rules, seed=seed, precision=precision)
+
+
+def choose_layout(args: argparse.Namespace, module: Any, tx: Any) -> Any:
+    """The layout ``--layout`` names or ``--plan`` picks (printing its table), else ``None``."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshkit import plan, train
+
+    if args.layout:
+        path, _, name = args.layout.partition(":")
+        return plan.load_layout(path, name or None)
+    if not args.plan:
+        return None
+    workload = plan.Workload(
+        model=lambda remat: train.linen_model(
+            module.clone(remat=remat), jnp.zeros((1, args.length), jnp.int32)
+        ),
+        tx=tx,
+        loss_fn=next_token_loss,
+        batch={"tokens": jax.ShapeDtypeStruct((args.batch_size, args.length + 1), jnp.int32)},
+    )
+    devices = jax.device_count()
+    layouts = plan.candidate_layouts(
+        devices, tensor=[t for t in (1, 2, 4) if devices % t == 0], precision=args.precision
+    )
+    result = plan.plan(workload, layouts, plan.Target(args.plan_for, devices), progress=False)
+    if jax.process_index() == 0:
+        print(result.table())
+        print(result.describe_choice(), flush=True)
+    return result.best.layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,16 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     from meshkit import data, train
     from meshkit.models import Transformer
 
-    mesh = meshkit.make_mesh(args.mesh)
-    batch_sharding = meshkit.batch_sharding(mesh)
-    train_source = data.reference_text("train", length=args.length)
-    test_source = data.reference_text("test", length=args.length)
-    pipeline = data.TrainPipeline(
-        train_source, global_batch_size=args.batch_size, sharding=batch_sharding, seed=args.seed
-    )
-    eval_pipeline = data.EvalPipeline(
-        test_source, global_batch_size=args.batch_size, sharding=batch_sharding
-    )
     module = Transformer(
         vocab_size=256,
         num_layers=args.num_layers,
@@ -195,7 +237,24 @@ def main(argv: list[str] | None = None) -> int:
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, weight_decay=args.weight_decay),
     )
-    state = create_state(module, tx, mesh, seed=args.seed, precision=args.precision)
+    layout = choose_layout(args, module, tx)
+    if layout is None:
+        mesh, rules, data_axes = meshkit.make_mesh(args.mesh), RULES, ("data",)
+    else:  # the plan's mesh, rules, remat policy and micro-batches
+        mesh, data_axes = layout.make_mesh(), layout.data_axes
+        rules = layout.rules or meshkit.PartitionRules()
+        module = module.clone(remat=layout.remat)
+        args.microbatches = layout.microbatches
+    batch_sharding = meshkit.batch_sharding(mesh, data_axes)
+    train_source = data.reference_text("train", length=args.length)
+    test_source = data.reference_text("test", length=args.length)
+    pipeline = data.TrainPipeline(
+        train_source, global_batch_size=args.batch_size, sharding=batch_sharding, seed=args.seed
+    )
+    eval_pipeline = data.EvalPipeline(
+        test_source, global_batch_size=args.batch_size, sharding=batch_sharding
+    )
+    state = create_state(module, tx, mesh, seed=args.seed, precision=args.precision, rules=rules)
     step = train.make_train_step(
         next_token_loss,
         train.state_shardings_of(state),
@@ -204,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
-        print(RULES)
+        print(rules)
         print(meshkit.describe(state.params, names=state.logical_axes().params), flush=True)
 
     result = train.fit(

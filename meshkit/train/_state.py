@@ -295,10 +295,46 @@ def abstract_train_state(
     seed: int = 0,
     *,
     precision: Precision | str | None = None,
+    mesh: Mesh | None = None,
+    rules: PartitionRules | None = None,
 ) -> TrainState:
-    """The train state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), without any FLOPs."""
+    """The train state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), without any FLOPs.
+
+    With a ``mesh``, every leaf also carries the sharding ``create_train_state`` would
+    give it under ``rules``, and the state carries the activation rules of a logical
+    table, exactly as a placed state does: a train step lowers and compiles on it
+    (``step.lower(abstract, batch).compile()``) with nothing allocated, which is how
+    ``meshkit.plan`` sizes a model for a pod it does not have.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, flax.linen as nn, meshkit
+        >>> model = linen_model(nn.Dense(4096), jnp.zeros((1, 4096)))
+        >>> mesh = meshkit.make_mesh("data=-1")
+        >>> state = abstract_train_state(model, optax.adam(1e-3), mesh=mesh,
+        ...                              rules=meshkit.PartitionRules.fsdp())
+        >>> kernel = state.params["kernel"]
+        >>> type(kernel).__name__, kernel.shape, type(kernel.sharding).__name__
+        ('ShapeDtypeStruct', (4096, 4096), 'NamedSharding')
+    """
     policy = Precision.of(precision)
-    return jax.eval_shape(lambda: _init_state(model, tx, seed, policy))
+    abstract = jax.eval_shape(lambda: _init_state(model, tx, seed, policy))
+    if mesh is None:
+        return abstract
+    shardings = train_state_shardings(abstract, mesh, rules)
+    abstract = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract,
+        shardings,
+    )
+    return _with_activation_rules(abstract, mesh, rules)
+
+
+def _with_activation_rules(
+    state: TrainState, mesh: Mesh, rules: PartitionRules | None
+) -> TrainState:
+    if rules is None or rules.logical is None:
+        return state
+    return state.replace(activation_rules=ActivationRules(rules.logical, mesh))
 
 
 def train_state_shardings(
@@ -356,9 +392,7 @@ def create_train_state(
     abstract = abstract_train_state(model, tx, seed, precision=policy)
     shardings = train_state_shardings(abstract, mesh, rules)
     state = jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
-    if rules is not None and rules.logical is not None:
-        state = state.replace(activation_rules=ActivationRules(rules.logical, mesh))
-    return state
+    return _with_activation_rules(state, mesh, rules)
 
 
 def state_shardings_of(state: TrainState) -> TrainState:

@@ -1,0 +1,138 @@
+"""``python -m meshkit.plan``: plan a GPT-style model (or your own workload) for a target."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt-125m": {"num_layers": 12, "embed_dim": 768, "num_heads": 12, "mlp_dim": 3072},
+    "gpt-1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192},
+    "gpt-7b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "mlp_dim": 16384},
+}
+"""GPT-style sizes by name (vocabulary and context come from --vocab and --length)."""
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m meshkit.plan``."""
+    p = argparse.ArgumentParser(
+        prog="python -m meshkit.plan",
+        description="Compile candidate layouts for a target you do not have and rank them: "
+        "memory per device, collectives, estimated step time.",
+    )
+    p.add_argument("--model", default="gpt-1.3b", choices=sorted(MODELS))
+    p.add_argument(
+        "--workload",
+        help="module:function returning a meshkit.plan.Workload (instead of --model)",
+    )
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--length", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
+    p.add_argument("--accelerator", default="h100", help="a name in meshkit.plan.ACCELERATORS")
+    p.add_argument("--devices", type=int, default=64)
+    p.add_argument("--slices", type=int, default=1, help="nodes (GPU) or slices (TPU)")
+    p.add_argument("--compiler", default="cpu", choices=("cpu", "tpu"))
+    p.add_argument("--topology", help="TPU topology, e.g. v5e:16x16 (with --compiler tpu)")
+    p.add_argument("--tensor", type=_ints, default=[1, 8], help="model-axis sizes to try")
+    p.add_argument("--fsdp", type=_ints, help="fsdp-axis sizes to try (default: all)")
+    p.add_argument("--remat", default="none,nothing_saveable", help="policies to try")
+    p.add_argument("--microbatches", type=_ints, default=[1], help="counts to try")
+    p.add_argument("--precision", default="bf16", choices=("f32", "bf16", "f16"))
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument("--png", type=Path, help="write bytes per device per layout as a PNG here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    if args.workload:
+        module, _, function = args.workload.partition(":")
+        if not function:
+            raise SystemExit(f"--workload wants module:function, got {args.workload!r}.")
+        return getattr(importlib.import_module(module), function)()
+    from meshkit.plan._workloads import transformer_workload
+
+    return transformer_workload(
+        **MODELS[args.model],
+        vocab_size=args.vocab,
+        length=args.length,
+        batch_size=args.batch_size,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plans as ``args`` say, prints the table and the choice; returns the JSON plan."""
+    from meshkit.plan._layout import Target
+    from meshkit.plan._planner import candidate_layouts, plan
+
+    target = Target(args.accelerator, args.devices, args.slices, args.compiler, args.topology)
+    layouts = candidate_layouts(
+        args.devices,
+        tensor=args.tensor,
+        fsdp=args.fsdp,
+        remat=[policy for policy in args.remat.split(",") if policy],
+        microbatches=args.microbatches,
+        precision=args.precision,
+        slices=args.slices,
+        logical=args.workload is None,
+    )
+    result = plan(_workload(args), layouts, target, progress=not args.quiet)
+    print(result.table())
+    print(result.describe_choice())
+    if args.json:
+        print(f"plan written to {result.write_json(args.json)}")
+    if args.png:
+        print(f"plot written to {result.plot(args.png)}")
+    return result.to_json()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: starts JAX with as many fake CPU devices as the target has."""
+    args = parser().parse_args(argv)
+    import jax
+
+    if args.compiler == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    run(args)
+    return 0
+
+
+def plan_in_subprocess(argv: Sequence[str], *, timeout: float | None = None) -> dict[str, Any]:
+    """Runs ``python -m meshkit.plan argv`` in a fresh process; returns its JSON plan.
+
+    For a session whose JAX has already started with fewer devices than the target:
+    the child starts with as many fake CPU devices as the plan needs.
+
+    Examples:
+        >>> plan = plan_in_subprocess(["--model", "gpt-125m", "--devices", "4",
+        ...     "--tensor", "1", "--fsdp", "4", "--remat", "none", "--length", "64",
+        ...     "--batch-size", "8", "--vocab", "256", "--quiet"])  # doctest: +SKIP
+        >>> plan["layouts"][0]["layout"]  # doctest: +SKIP
+        'data=1,fsdp=4,model=1'
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "plan.json"
+        command = [sys.executable, "-m", "meshkit.plan", *argv, "--json", str(path)]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(
+            command, check=False, capture_output=True, text=True, timeout=timeout, env=env
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"python -m meshkit.plan {' '.join(argv)} failed with exit code "
+                f"{done.returncode}:\n{done.stderr[-4000:]}"
+            )
+        return json.loads(path.read_text())

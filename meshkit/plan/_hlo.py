@@ -1,0 +1,328 @@
+"""What a compiled program does per step, read from its optimized HLO text.
+
+XLA's own ``cost_analysis()`` counts the body of a ``while`` loop once, whatever its
+trip count, so a model whose layers run under ``nn.scan`` would look one layer deep.
+This module reads the program itself: its computations, how often each one runs
+(loop trip counts multiply), the FLOPs of its matrix products and convolutions, and
+every collective with its replica groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_CALLEES = re.compile(
+    r"\b(calls|body|condition|to_apply|branch_computations|called_computations)="
+    r"(\{[^}]*\}|%[\w.\-]+)"
+)
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+"""The collective operations counted, by their HLO names."""
+
+
+def array_bytes(shape_text: str) -> int:
+    """Bytes of the arrays in an HLO shape (``f32[8,16]{1,0}``, or a tuple of them)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return int(total)
+
+
+def _dims(shape_text: str) -> list[int]:
+    match = _ARRAY.search(shape_text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its name, result shape text, opcode and the rest of its line."""
+
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+
+
+def _split_shape(text: str) -> tuple[str, str]:
+    """``'f32[2]{0} add(%a, %b), ...'`` -> (``'f32[2]{0}'``, ``'add(%a, %b), ...'``)."""
+    if text.startswith("("):  # a tuple shape: up to its closing parenthesis
+        depth = 0
+        for end, char in enumerate(text):
+            depth += (char == "(") - (char == ")")
+            if depth == 0:
+                return text[: end + 1], text[end + 1 :].lstrip()
+    shape, _, rest = text.partition(" ")
+    return shape, rest
+
+
+def _instructions(lines: Sequence[str]) -> Iterator[Instruction]:
+    """The instructions of a computation, its ROOT last."""
+    root = None
+    for line in lines:
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        shape, rest = _split_shape(match.group(2))
+        opcode = re.match(r"([a-z][\w\-]*)\(", rest)
+        if opcode:
+            instruction = Instruction(match.group(1), shape, opcode.group(1), rest)
+            if line.lstrip().startswith("ROOT"):
+                root = instruction
+            else:
+                yield instruction
+    if root is not None:
+        yield root
+
+
+def _operands(instruction: Instruction) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", instruction.rest.split(")", 1)[0])
+
+
+def _scattered_bytes(
+    instruction: Instruction, users: dict[str, list[Instruction]], group_size: int
+) -> int:
+    """Bytes of an all-reduce's result of which every user keeps at most a 1/n slice.
+
+    XLA:CPU writes a reduce-scatter as an all-reduce whose users each read one slice
+    (a dynamic slice, often fused into the optimizer update); GPU and TPU compilers
+    turn that pair into one reduce-scatter, which moves half the bytes. The elements
+    of a combined (tuple) all-reduce are judged one by one, through their
+    ``get-tuple-element`` users.
+    """
+    arrays = [f"{dtype}[{dims}]" for dtype, dims in _ARRAY.findall(instruction.shape)]
+    if len(arrays) == 1:
+        element_users = {0: users.get(instruction.name, [])}
+    else:
+        element_users = {}
+        for user in users.get(instruction.name, []):
+            index = re.search(r"index=(\d+)", user.rest)
+            if user.opcode == "get-tuple-element" and index:
+                element_users.setdefault(int(index.group(1)), []).extend(users.get(user.name, []))
+    scattered = 0
+    for index, found in element_users.items():
+        size = array_bytes(arrays[index])
+        if found and all(array_bytes(user.shape) * group_size <= size * 1.01 for user in found):
+            scattered += size
+    return scattered
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the program, as it runs in one step.
+
+    Attributes:
+      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+        ``collective-permute``.
+      payload_bytes: the data the collective is about, per device: the full array an
+        all-gather produces, the full array a reduce-scatter reduces, the array an
+        all-reduce, all-to-all or permute takes.
+      group_size: devices per replica group.
+      across_slices: whether a group spans more than one slice (the slower network).
+      count: how many times it runs per step (loop trip counts multiplied in).
+      name: the instruction's name in the HLO, to find it there.
+    """
+
+    kind: str
+    payload_bytes: int
+    group_size: int
+    across_slices: bool
+    count: int
+    name: str
+
+    @property
+    def traffic_bytes(self) -> float:
+        """Bytes each device sends per run with a ring algorithm (bandwidth-optimal)."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * self.payload_bytes * (n - 1) / n
+        if self.kind == "collective-permute":
+            return float(self.payload_bytes)
+        return self.payload_bytes * (n - 1) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCounts:
+    """Per-step totals of a compiled program, loops unrolled by their trip counts.
+
+    Attributes:
+      dot_flops: FLOPs of every ``dot`` and ``convolution``, each counted as often as it runs.
+      dot_flops_once: the same with every loop body counted once, as XLA's
+        ``cost_analysis()`` counts it.
+      collectives: every collective instruction, with how often it runs.
+    """
+
+    dot_flops: float
+    dot_flops_once: float
+    collectives: tuple[Collective, ...]
+
+
+def _computations(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    computations: dict[str, list[Instruction]] = {}
+    entry, name, lines = "", None, []
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            name, lines = header.group(2), []
+            entry = name if header.group(1) else entry
+        elif line.startswith("}") and name is not None:
+            computations[name] = list(_instructions(lines))
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return computations, entry
+
+
+def _callees(instruction: Instruction) -> list[tuple[str, str]]:
+    calls = []
+    for attribute, value in _CALLEES.findall(instruction.rest):
+        for callee in re.findall(r"%([\w.\-]+)", value):
+            calls.append((attribute, callee))
+    return calls
+
+
+def _trip_count(instruction: Instruction) -> int:
+    match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instruction.rest)
+    return int(match.group(1)) if match else 1
+
+
+def _run_counts(
+    computations: dict[str, list[Instruction]], entry: str, *, with_trips: bool
+) -> dict[str, int]:
+    """How many times each computation runs per call of ``entry``."""
+    counts: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        counts[name] = counts.get(name, 0) + times
+        for instruction in computations.get(name, ()):
+            trips = _trip_count(instruction) if instruction.opcode == "while" and with_trips else 1
+            for attribute, callee in _callees(instruction):
+                if attribute == "to_apply" and instruction.opcode != "call":
+                    continue  # a reduction's scalar function, not a computation run per step
+                visit(callee, times * (trips if attribute in ("body", "condition") else 1))
+
+    visit(entry, 1)
+    return counts
+
+
+def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
+    operands = _operands(instruction)
+    if len(operands) < 2:
+        return 0.0
+    out = math.prod(_dims(instruction.shape))
+    lhs, rhs = _dims(shapes.get(operands[0], "")), _dims(shapes.get(operands[1], ""))
+    if instruction.opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.rest)
+        dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
+        return 2.0 * out * math.prod(lhs[d] for d in dims if d < len(lhs))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.rest)
+    if not labels or "o" not in labels.group(1) or not rhs:
+        return 0.0
+    out_features = rhs[labels.group(1).index("o")]
+    return 2.0 * out * math.prod(rhs) / max(out_features, 1)
+
+
+def _groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
+    """The replica groups of a collective, as lists of device ids."""
+    rest = instruction.rest
+    if instruction.opcode.startswith("collective-permute"):
+        pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+        found = re.findall(r"\{(\d+),(\d+)\}", pairs.group(0)) if pairs else []
+        return [[int(a), int(b)] for a, b in found if a != b]
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if mesh:
+        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        names, sizes = [n for n, _ in axes], [int(s) for _, s in axes]
+        chosen = [names.index(n) for n in re.findall(r"'(\w+)'", mesh.group(2))]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        others = [axis for axis in range(len(sizes)) if axis not in chosen]
+        size = math.prod(sizes[axis] for axis in chosen)
+        return ids.transpose(others + chosen).reshape(-1, size).tolist()
+    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", rest)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(p) for p in iota.group(3).split(",")])
+        return ids.reshape(-1, shape[-1]).tolist()
+    explicit = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", rest)
+    if explicit and explicit.group(1):
+        return [
+            [int(d) for d in g.split(",") if d]
+            for g in re.findall(r"\{([0-9,]*)\}", explicit.group(1))
+        ]
+    return [list(range(num_devices))]  # replica_groups={}: every device in one group
+
+
+def _payload(instruction: Instruction, kind: str, group_size: int) -> int:
+    arrays = _ARRAY.findall(instruction.shape)
+    if instruction.opcode == "all-gather-start":  # ((operands...), (outputs...))
+        arrays = arrays[len(arrays) // 2 :]
+    elif instruction.opcode == "collective-permute-start":  # (operand, output, contexts)
+        arrays = arrays[1:2]
+    size = sum(array_bytes(f"{dtype}[{dims}]") for dtype, dims in arrays)
+    scatter = kind == "reduce-scatter" and instruction.opcode.startswith("reduce-scatter")
+    return size * group_size if scatter else size
+
+
+def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCounts:
+    """FLOPs of products and every collective of a compiled program's HLO text, per step.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of an SPMD-partitioned program (one device's view).
+      slice_of_device: the slice of each device id of the program (its position in the
+        device assignment); a group with devices of two slices is ``across_slices``.
+    """
+    computations, entry = _computations(hlo_text)
+    runs = _run_counts(computations, entry, with_trips=True)
+    runs_once = _run_counts(computations, entry, with_trips=False)
+    flops = flops_once = 0.0
+    collectives = []
+    for name, instructions in computations.items():
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        users: dict[str, list[Instruction]] = {}
+        for instruction in instructions:
+            for operand in _operands(instruction):
+                users.setdefault(operand, []).append(instruction)
+        for instruction in instructions:
+            if instruction.opcode in ("dot", "convolution"):
+                cost = _dot_flops(instruction, shapes)
+                flops += cost * runs.get(name, 0)
+                flops_once += cost * runs_once.get(name, 0)
+            kind = instruction.opcode.removesuffix("-start")
+            if kind in COLLECTIVES and runs.get(name, 0):
+                groups = _groups(instruction, len(slice_of_device))
+                size = max((len(group) for group in groups), default=1)
+                if kind == "collective-permute":
+                    size = 2 if groups else 1
+                across = any(
+                    len({slice_of_device[d] for d in group if d < len(slice_of_device)}) > 1
+                    for group in groups
+                )
+                payload = _payload(instruction, kind, size)
+                parts = {kind: payload}
+                if kind == "all-reduce" and size > 1:
+                    scattered = _scattered_bytes(instruction, users, size)
+                    parts = {"reduce-scatter": scattered, "all-reduce": payload - scattered}
+                for part, part_bytes in parts.items():
+                    if part_bytes or len(parts) == 1:
+                        collectives.append(
+                            Collective(part, part_bytes, size, across, runs[name], instruction.name)
+                        )
+    return ProgramCounts(flops, flops_once, tuple(collectives))

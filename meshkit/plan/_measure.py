@@ -1,0 +1,166 @@
+"""Compile one layout's train step on stand-in devices and read what it needs per device."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import jax
+import numpy as np
+import optax
+
+from meshkit._batch import batch_sharding
+from meshkit.plan._hlo import Collective, program_counts
+from meshkit.plan._layout import Layout, Target, layout_mesh
+from meshkit.train._gradients import LossFn
+from meshkit.train._state import Model, TrainState, abstract_train_state, state_shardings_of
+from meshkit.train._step import make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is being planned: a model, its optimizer, its loss and one global batch's shapes.
+
+    Attributes:
+      model: the model, or a function from a remat policy name to the model (so a
+        layout's ``remat`` reaches it, e.g. ``lambda remat: linen_model(
+        Transformer(..., remat=remat), sample)``).
+      tx: the optax optimizer.
+      loss_fn: ``loss_fn(params, state, batch, rng) -> (loss, LossOutput)``.
+      batch: the global batch, as arrays or ``jax.ShapeDtypeStruct``s (only shapes and
+        dtypes are read).
+      model_flops: FLOPs of one step's useful work over all devices (for MFU); by
+        default the least any candidate layout needs (the one that recomputes least).
+    """
+
+    model: Model | Callable[[str], Model]
+    tx: optax.GradientTransformation
+    loss_fn: LossFn
+    batch: Mapping[str, Any]
+    model_flops: float | None = None
+
+    def model_for(self, remat: str) -> Model:
+        """The model with ``remat`` applied (a fixed ``Model`` takes only ``"none"``)."""
+        if isinstance(self.model, Model):
+            if remat != "none":
+                raise ValueError(
+                    f"A layout asks for remat={remat!r}, but the workload's model is a fixed "
+                    "Model. Pass model=lambda remat: linen_model(MyModule(remat=remat), x) "
+                    "to let layouts choose."
+                )
+            return self.model
+        return self.model(remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one layout's compiled train step needs, per device.
+
+    Byte counts are per device (the largest shard where shards differ); FLOPs and
+    bytes accessed are one step of one device's program, loops counted as often as
+    they run. ``compiler`` says whose figures they are (XLA:CPU's temporaries are not
+    a GPU's or TPU's).
+    """
+
+    layout: Layout
+    num_params: int
+    params_bytes: int
+    optimizer_bytes: int
+    gradient_bytes: int
+    batch_bytes: int
+    temp_bytes: int
+    total_bytes: int
+    flops: float
+    bytes_accessed: float
+    collectives: tuple[Collective, ...]
+    compile_seconds: float
+    compiler: str
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes the largest device holds of ``tree``'s ``ShapeDtypeStruct``s with shardings."""
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        size = int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        for device in leaf.sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + size
+    return max(per_device.values(), default=0)
+
+
+def _batch_specs(batch: Mapping[str, Any], sharding: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    return {
+        key: jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=sharding)
+        for key, value in batch.items()
+    }
+
+
+def measure(
+    workload: Workload, layout: Layout, target: Target, devices: Sequence[Any]
+) -> Measurement:
+    """Lowers and compiles ``layout``'s train step on abstract inputs; allocates no state."""
+    mesh, slice_of_device = layout_mesh(layout, devices, target.slices)
+    model = workload.model_for(layout.remat)
+    state = abstract_train_state(
+        model, workload.tx, precision=layout.precision, mesh=mesh, rules=layout.rules
+    )
+    data = batch_sharding(mesh, layout.data_axes)
+    batch = _batch_specs(workload.batch, data)
+    step = make_train_step(
+        workload.loss_fn, state_shardings_of(state), data, microbatches=layout.microbatches
+    )
+    start = time.perf_counter()
+    try:
+        lowered = cast(Any, step).lower(state, batch)
+    except Exception as error:
+        shapes = {key: (spec.shape, str(spec.dtype)) for key, spec in batch.items()}
+        raise ValueError(
+            f"Layout {layout.name!r}: the train step could not be traced with the batch "
+            f"{shapes} ({type(error).__name__}: {error}). Check the workload's batch shapes "
+            "against what its model and loss expect."
+        ) from error
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    return _read(compiled, state, batch, layout, slice_of_device, seconds=seconds, target=target)
+
+
+def _read(
+    compiled: Any,
+    state: TrainState,
+    batch: dict[str, jax.ShapeDtypeStruct],
+    layout: Layout,
+    slice_of_device: list[int],
+    *,
+    seconds: float,
+    target: Target,
+) -> Measurement:
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    counts = program_counts(compiled.as_text(), slice_of_device)
+    raw_flops = float(cost.get("flops", 0.0))
+    flops = raw_flops + counts.dot_flops - counts.dot_flops_once  # loop bodies, all trips
+    scale = flops / raw_flops if raw_flops > 0 else 1.0
+    params_bytes = shard_bytes(state.params)
+    total = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    return Measurement(
+        layout=layout,
+        num_params=sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state.params)),
+        params_bytes=params_bytes,
+        optimizer_bytes=shard_bytes(state.opt_state),
+        gradient_bytes=params_bytes,
+        batch_bytes=shard_bytes(batch),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        total_bytes=int(total),
+        flops=flops,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)) * scale,
+        collectives=counts.collectives,
+        compile_seconds=seconds,
+        compiler=f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU",
+    )

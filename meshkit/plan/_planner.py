@@ -1,0 +1,327 @@
+"""Rank candidate layouts: memory per device against capacity, and a roofline step time."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from meshkit._rules import FSDP, PartitionRules
+from meshkit.plan._accelerators import ACCELERATORS
+from meshkit.plan._layout import Layout, Target, target_devices
+from meshkit.plan._measure import Measurement, Workload, measure
+
+GiB = 2**30
+
+
+class NoLayoutFitsError(ValueError):
+    """No candidate layout fits the target's memory; the message names the closest."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutReport:
+    """One layout's figures per device, whether it fits, and its estimated step time.
+
+    Attributes:
+      measurement: what the compiled step needs (bytes, FLOPs, collectives).
+      capacity_bytes: the memory one chip may use (capacity × ``memory_fraction``).
+      fits: ``total_bytes`` is within ``capacity_bytes``.
+      terms: the roofline's terms in seconds: ``compute`` (FLOPs / peak), ``memory``
+        (bytes accessed / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic / link
+        bandwidth, within and across slices).
+      estimated_step_seconds: ``max(compute, memory) + ici + dcn`` (no overlap of
+        communication with compute is assumed, so it errs long).
+      estimated_mfu: the workload's model FLOPs / (step time × peak FLOP/s × devices).
+    """
+
+    measurement: Measurement
+    capacity_bytes: int
+    fits: bool
+    terms: dict[str, float]
+    estimated_step_seconds: float
+    estimated_mfu: float
+
+    @property
+    def layout(self) -> Layout:
+        """The layout measured."""
+        return self.measurement.layout
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term of the step time (``compute``, ``memory``, ``ici``, ``dcn``)."""
+        return max(self.terms, key=lambda term: self.terms[term])
+
+    def collective_bytes(self, *, across_slices: bool | None = None) -> float:
+        """Bytes one device sends per step in collectives (all, within, or across slices)."""
+        return sum(
+            c.traffic_bytes * c.count
+            for c in self.measurement.collectives
+            if across_slices is None or c.across_slices == across_slices
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain JSON values; byte counts are per device."""
+        m = self.measurement
+        by_kind: dict[str, float] = {}
+        for c in m.collectives:
+            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload_bytes * c.count
+        return {
+            "layout": m.layout.name,
+            "axes": m.layout.axis_sizes,
+            "remat": m.layout.remat,
+            "microbatches": m.layout.microbatches,
+            "precision": m.layout.precision,
+            "layout_spec": m.layout.to_json(),
+            "fits": self.fits,
+            "num_params": m.num_params,
+            "params_bytes_per_device": m.params_bytes,
+            "optimizer_bytes_per_device": m.optimizer_bytes,
+            "gradient_bytes_per_device": m.gradient_bytes,
+            "batch_bytes_per_device": m.batch_bytes,
+            "temp_bytes_per_device": m.temp_bytes,
+            "total_bytes_per_device": m.total_bytes,
+            "capacity_bytes_per_device": self.capacity_bytes,
+            "collective_bytes_per_device": self.collective_bytes(),
+            "collective_bytes_across_slices_per_device": self.collective_bytes(across_slices=True),
+            "collective_payload_bytes_by_kind": by_kind,
+            "flops_per_device": m.flops,
+            "bytes_accessed_per_device": m.bytes_accessed,
+            "estimated_step_seconds": self.estimated_step_seconds,
+            "step_time_terms_seconds": self.terms,
+            "bottleneck": self.bottleneck,
+            "estimated_mfu": self.estimated_mfu,
+            "compile_seconds": m.compile_seconds,
+            "compiler": m.compiler,
+        }
+
+
+def estimate(measurement: Measurement, target: Target, model_flops: float) -> LayoutReport:
+    """The roofline estimate of one measured layout on the target's chips."""
+    chip = target.chip
+    ici = sum(c.traffic_bytes * c.count for c in measurement.collectives if not c.across_slices)
+    dcn = sum(c.traffic_bytes * c.count for c in measurement.collectives if c.across_slices)
+    terms = {
+        "compute": measurement.flops / chip.peak_flops,
+        "memory": measurement.bytes_accessed / chip.hbm_bytes_per_second,
+        "ici": ici / chip.ici_bytes_per_second,
+        "dcn": dcn / chip.dcn_bytes_per_second,
+    }
+    step = max(terms["compute"], terms["memory"]) + terms["ici"] + terms["dcn"]
+    capacity = int(chip.hbm_bytes * target.memory_fraction)
+    mfu = model_flops / (step * chip.peak_flops * target.devices) if step > 0 else 0.0
+    return LayoutReport(
+        measurement=measurement,
+        capacity_bytes=capacity,
+        fits=measurement.total_bytes <= capacity,
+        terms=terms,
+        estimated_step_seconds=step,
+        estimated_mfu=mfu,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every candidate's report, fitting layouts first, fastest first.
+
+    Attributes:
+      target: the hardware planned for.
+      reports: one per candidate: the layouts that fit by estimated step time, then
+        those that do not by how far they overshoot.
+    """
+
+    target: Target
+    reports: tuple[LayoutReport, ...]
+
+    @property
+    def best(self) -> LayoutReport:
+        """The fastest layout that fits; raises ``NoLayoutFitsError`` when none does."""
+        if self.reports and self.reports[0].fits:
+            return self.reports[0]
+        raise NoLayoutFitsError(_nothing_fits(self))
+
+    def table(self) -> str:
+        """One line per layout, in rank order: GiB per device, traffic, FLOPs, step time."""
+        from meshkit.plan._report import plan_table
+
+        return plan_table(self)
+
+    def describe_choice(self) -> str:
+        """The chosen layout and why, or (when none fits) the closest and what would fit."""
+        from meshkit.plan._report import describe_choice
+
+        return describe_choice(self)
+
+    def write_json(self, path: str | os.PathLike[str]) -> Path:
+        """Writes ``to_json()`` to ``path`` (parents created); ``load_layout`` reads it."""
+        from meshkit.plan._report import write_plan_json
+
+        return write_plan_json(self, path)
+
+    def plot(self, path: str | os.PathLike[str]) -> Path:
+        """A PNG of bytes per device for each layout, stacked, beside the usable capacity."""
+        from meshkit.plan._report import plot_plan
+
+        return plot_plan(self, path)
+
+    def to_json(self) -> dict[str, Any]:
+        """The target and every report, as plain JSON values."""
+        chip = self.target.chip
+        return {
+            "target": {
+                **dataclasses.asdict(self.target),
+                "chip": chip.description,
+                "hbm_bytes": chip.hbm_bytes,
+            },
+            "layouts": [report.to_json() for report in self.reports],
+        }
+
+
+def _nothing_fits(plan: Plan) -> str:
+    closest = plan.reports[0]
+    m = closest.measurement
+    over = m.total_bytes - closest.capacity_bytes
+    state = m.params_bytes + m.optimizer_bytes
+    bigger = sorted(
+        chip.name
+        for chip in ACCELERATORS.values()
+        if chip.hbm_bytes * plan.target.memory_fraction >= m.total_bytes
+    )
+    fixes = []
+    if m.temp_bytes > over:
+        fixes.append("a stronger remat policy or more micro-batches (temporaries are "
+                     f"{m.temp_bytes / GiB:.2f} GiB)")  # fmt: skip
+    if state > over:
+        fixes.append(f"sharding the state over more devices (parameters and optimizer "
+                     f"state are {state / GiB:.2f} GiB per device)")  # fmt: skip
+    fixes.append(f"chips with more memory ({', '.join(bigger) or 'none in the table'})")
+    return (
+        f"No candidate layout fits {plan.target.devices} x {plan.target.accelerator} "
+        f"({closest.capacity_bytes / GiB:.2f} GiB usable per chip). The closest, "
+        f"{m.layout.name!r}, needs {m.total_bytes / GiB:.2f} GiB per device, "
+        f"{over / GiB:.2f} GiB over. What would make it fit: {'; or '.join(fixes)}."
+    )
+
+
+def _rank_key(report: LayoutReport) -> tuple[bool, float]:
+    if report.fits:
+        return (False, report.estimated_step_seconds)
+    return (True, report.measurement.total_bytes - report.capacity_bytes)
+
+
+def plan(
+    workload: Workload,
+    layouts: Sequence[Layout],
+    target: Target,
+    *,
+    progress: bool = True,
+    on_report: Callable[[LayoutReport], None] | None = None,
+) -> Plan:
+    """Compiles every candidate layout for the target, without allocating, and ranks them.
+
+    Each layout's train step is lowered on abstract, sharded inputs and compiled for
+    stand-in devices (fake CPU devices, or a TPU topology description); its memory
+    and FLOPs come from the compiled program, its collectives from the program's HLO,
+    and its step time from a roofline over the target chip's published figures.
+
+    Args:
+      workload: the model, optimizer, loss and global batch shapes.
+      layouts: the candidates; each must use exactly ``target.devices`` devices.
+      target: the accelerator, how many, and in how many slices.
+      progress: show a progress bar over the candidates.
+      on_report: called with each report as soon as its layout is compiled.
+
+    Returns:
+      A ``Plan``: ``plan.best`` is the fastest layout that fits.
+    """
+    if not layouts:
+        raise ValueError("plan got no layouts; pass at least one Layout (see candidate_layouts).")
+    for layout in layouts:
+        if layout.num_devices != target.devices:
+            raise ValueError(
+                f"Layout {layout.name!r} has axes {layout.axis_sizes}, which multiply to "
+                f"{layout.num_devices}, but the target has {target.devices} devices. Choose "
+                f"axis sizes whose product is {target.devices}."
+            )
+    devices = target_devices(target)
+    measurements = []
+    for layout in tqdm(layouts, desc="planning", unit="layout", disable=not progress):
+        measurements.append(measure(workload, layout, target, devices))
+        if on_report is not None:
+            on_report(estimate(measurements[-1], target, measurements[-1].flops * target.devices))
+    model_flops = workload.model_flops
+    if model_flops is None:
+        model_flops = min(m.flops for m in measurements) * target.devices
+    reports = [estimate(m, target, model_flops) for m in measurements]
+    return Plan(target, tuple(sorted(reports, key=_rank_key)))
+
+
+LOGICAL_NAMES_MODEL_AXIS = ("mlp", "heads", "vocab")
+"""Logical names that tensor parallelism splits over the ``model`` axis."""
+
+
+def layout_rules(*, fsdp: bool, tensor: bool, logical: bool) -> PartitionRules:
+    """Rules for the standard axes ``data``, ``fsdp``, ``model``.
+
+    With ``logical`` (a model whose parameters carry logical names, like
+    ``meshkit.models.Transformer``): ``embed`` is sharded over ``fsdp``, ``mlp``,
+    ``heads`` and ``vocab`` over ``model``, the batch over ``data`` and ``fsdp``.
+    Without it, every leaf is FSDP-sharded over ``fsdp`` (``FSDP`` rule).
+    """
+    if not logical:
+        return PartitionRules.fsdp("fsdp") if fsdp else PartitionRules()
+    table: dict[str, Any] = dict.fromkeys(("kv", "length", "layers"))
+    table["batch"] = ("data", "fsdp") if fsdp else "data"
+    table["embed"] = "fsdp" if fsdp else None
+    for name in LOGICAL_NAMES_MODEL_AXIS:
+        table[name] = "model" if tensor else None
+    default = FSDP("fsdp") if fsdp else PartitionRules().default
+    return PartitionRules(logical=table, default=default)
+
+
+def candidate_layouts(
+    devices: int,
+    *,
+    tensor: Iterable[int] = (1, 2, 4, 8),
+    fsdp: Iterable[int] | None = None,
+    remat: Iterable[str] = ("none",),
+    microbatches: Iterable[int] = (1,),
+    precision: str = "bf16",
+    logical: bool = True,
+    slices: int = 1,
+) -> list[Layout]:
+    """Layouts over axes ``data × fsdp × model`` that use exactly ``devices`` devices.
+
+    Every ``model`` size in ``tensor`` that divides the devices per slice (tensor
+    parallelism stays within a node or slice), every ``fsdp`` size (default: every
+    power of two that divides what is left within a slice), ``data`` taking the rest,
+    times every remat policy and micro-batch count. With several slices, the slices
+    go on ``data`` (only data parallelism crosses the slower network).
+
+    Examples:
+        >>> [layout.name for layout in candidate_layouts(8, tensor=(1, 2), fsdp=(1, 8))]
+        ['data=8,fsdp=1,model=1', 'data=1,fsdp=8,model=1', 'data=4,fsdp=1,model=2']
+    """
+    per_slice = devices // slices
+    layouts = []
+    for model in tensor:
+        if per_slice % model:
+            continue
+        rest = per_slice // model
+        sizes = (
+            fsdp
+            if fsdp is not None
+            else [2**k for k in range(rest.bit_length()) if rest % 2**k == 0]
+        )
+        for shard in sizes:
+            if rest % shard:
+                continue
+            axes = {"data": devices // (model * shard), "fsdp": shard, "model": model}
+            rules = layout_rules(fsdp=shard > 1, tensor=model > 1, logical=logical)
+            for policy in remat:
+                for count in microbatches:
+                    layouts.append(Layout(axes, rules, ("data", "fsdp"), policy, count, precision))
+    return layouts

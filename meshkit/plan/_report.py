@@ -1,0 +1,118 @@
+"""A plan as a printed table, a JSON file and a PNG of bytes per device."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from meshkit.plan._planner import GiB, NoLayoutFitsError, Plan
+
+
+def plan_table(plan: Plan) -> str:
+    """One line per layout, fitting ones first and fastest first; bytes in GiB per device."""
+    chip = plan.target.chip
+    header = (
+        f"{plan.target.devices} x {chip.description} ({plan.target.slices} slice(s)), "
+        f"{plan.reports[0].capacity_bytes / GiB:.1f} GiB usable per chip; "
+        f"figures from {plan.reports[0].measurement.compiler}"
+    )
+    columns = (
+        f"{'#':>2}  {'layout':<40} {'fits':<4} {'params':>7} {'optim':>7} {'temp':>7} "
+        f"{'total':>7} {'comm GB':>8} {'TFLOP':>7} {'step s':>8} {'MFU':>5}  bound by"
+    )
+    lines = [header, columns, "-" * len(columns)]
+    for rank, report in enumerate(plan.reports, 1):
+        m = report.measurement
+        lines.append(
+            f"{rank:>2}  {m.layout.name:<40} {'yes' if report.fits else 'NO':<4} "
+            f"{m.params_bytes / GiB:>7.2f} {m.optimizer_bytes / GiB:>7.2f} "
+            f"{m.temp_bytes / GiB:>7.2f} {m.total_bytes / GiB:>7.2f} "
+            f"{report.collective_bytes() / 1e9:>8.2f} {m.flops / 1e12:>7.1f} "
+            f"{report.estimated_step_seconds:>8.3f} {report.estimated_mfu:>5.0%}  "
+            f"{report.bottleneck}"
+        )
+    return "\n".join(lines)
+
+
+def describe_choice(plan: Plan) -> str:
+    """One line on the chosen layout and why: memory to spare, step time, what bounds it.
+
+    When nothing fits, the ``NoLayoutFitsError`` message instead: the closest layout,
+    its overshoot per device and what would make it fit.
+    """
+    try:
+        best = plan.best
+    except NoLayoutFitsError as error:
+        return str(error)
+    spare = (best.capacity_bytes - best.measurement.total_bytes) / GiB
+    runner_up = next((r for r in plan.reports[1:] if r.fits), None)
+    versus = (
+        ""
+        if runner_up is None
+        else f"; next best {runner_up.layout.name} at {runner_up.estimated_step_seconds:.3g} s"
+    )
+    return (
+        f"chosen: {best.layout.name} - fits with {spare:.2f} GiB to spare, estimated "
+        f"{best.estimated_step_seconds:.3g} s per step (bound by {best.bottleneck}), "
+        f"MFU {best.estimated_mfu:.0%}{versus}"
+    )
+
+
+def write_plan_json(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Writes ``plan.to_json()`` to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    return path
+
+
+def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """A PNG of stacked bytes per device for each layout, beside the chip's capacity.
+
+    Needs matplotlib (``pip install "meshkit[recipes]"``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            'plot_plan needs matplotlib: pip install "meshkit[recipes]" (or matplotlib).'
+        ) from error
+    reports = plan.reports
+    names = [report.layout.name for report in reports]
+    parts = {
+        "parameters": [r.measurement.params_bytes / GiB for r in reports],
+        "optimizer state": [r.measurement.optimizer_bytes / GiB for r in reports],
+        "temporaries": [r.measurement.temp_bytes / GiB for r in reports],
+        "other (batch, outputs)": [
+            max(
+                r.measurement.total_bytes
+                - r.measurement.params_bytes
+                - r.measurement.optimizer_bytes
+                - r.measurement.temp_bytes,
+                0,
+            )
+            / GiB
+            for r in reports
+        ],
+    }
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.55 * len(names) + 2), 4.5))
+    bottom = [0.0] * len(names)
+    for label, values in parts.items():
+        axes.bar(range(len(names)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    capacity = reports[0].capacity_bytes / GiB
+    axes.axhline(capacity, color="black", linestyle="--", label="usable per chip")
+    axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    axes.set_ylabel("GiB per device")
+    axes.set_title(f"{plan.target.devices} x {plan.target.chip.description}")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,295 @@
+"""The planner against independent counts: shard bytes of placed arrays, hand-counted
+collectives, an unrolled program's FLOPs, and training with the layout it chooses."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import plan as planning
+from meshkit.plan import _hlo
+from meshkit.testing import run_processes
+from meshkit.train import classification_loss, create_train_state, linen_model
+
+pytestmark = pytest.mark.devices(8)
+
+TARGET = planning.Target("h100", 8)
+
+
+def _mlp_workload(batch_size: int = 4096) -> planning.Workload:
+    import flax.linen as nn
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+            x = nn.relu(nn.Dense(512)(x))
+            x = nn.relu(nn.Dense(512)(x))
+            return nn.Dense(10)(x)
+
+    return planning.Workload(
+        model=linen_model(Mlp(), jnp.zeros((1, 256))),
+        tx=optax.adam(1e-3),
+        loss_fn=classification_loss,
+        batch={
+            "image": jax.ShapeDtypeStruct((batch_size, 256), jnp.float32),
+            "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        },
+    )
+
+
+@functools.cache
+def _mlp_plan() -> planning.Plan:
+    fsdp = meshkit.PartitionRules.fsdp("data", min_size=1024)
+    layouts = [
+        planning.Layout({"data": 8}, None, precision="f32", name="replicated"),
+        planning.Layout({"data": 8}, fsdp, precision="f32", name="fsdp"),
+    ]
+    return planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+
+
+def _report(name: str) -> planning.LayoutReport:
+    return next(r for r in _mlp_plan().reports if r.layout.name == name)
+
+
+def _payload(report: planning.LayoutReport, kind: str) -> int:
+    return sum(c.payload_bytes * c.count for c in report.measurement.collectives if c.kind == kind)
+
+
+def _placed_bytes(tree: object) -> int:
+    """The most bytes any device holds of placed arrays: summed from their shards."""
+    per_device: dict[object, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+@pytest.mark.parametrize("name", ["replicated", "fsdp"])
+def test_state_bytes_per_device_equal_the_shards_of_a_placed_state(name: str) -> None:
+    report = _report(name)
+    workload = _mlp_workload()
+    model = workload.model_for("none")
+    state = create_train_state(
+        model, workload.tx, meshkit.make_mesh("data=8"), rules=report.layout.rules
+    )
+    assert report.measurement.params_bytes == _placed_bytes(state.params)
+    assert report.measurement.optimizer_bytes == _placed_bytes(state.opt_state)
+    assert report.measurement.num_params == sum(x.size for x in jax.tree.leaves(state.params))
+
+
+def test_data_parallel_collectives_are_one_all_reduce_of_the_gradients() -> None:
+    report = _report("replicated")
+    gradient_bytes = report.measurement.num_params * 4
+    assert _payload(report, "all-gather") == 0
+    # the gradients, plus a few scalars (loss and metrics)
+    assert gradient_bytes <= _payload(report, "all-reduce") <= gradient_bytes * 1.05
+    ring = 2 * gradient_bytes * 7 / 8
+    assert report.collective_bytes() == pytest.approx(ring, rel=0.05)
+
+
+def test_fsdp_gathers_and_scatters_the_parameters() -> None:
+    report = _report("fsdp")
+    params = jax.eval_shape(_mlp_workload().model_for("none").init, jax.random.key(0))["params"]
+    # the leaves FSDP shards (the biases are under its min_size)
+    sharded = sum(x.size * 4 for x in jax.tree.leaves(params) if x.size >= 1024)
+    assert _payload(report, "all-gather") == pytest.approx(sharded, rel=0.05)
+    assert _payload(report, "reduce-scatter") == pytest.approx(sharded, rel=0.05)
+
+
+def test_replica_group_formats() -> None:
+    def groups(attributes: str) -> list[list[int]]:
+        line = f"  %x = f32[8]{{0}} all-reduce(%y), {attributes}, to_apply=%add"
+        (instruction,) = _hlo._instructions([line])
+        return _hlo._groups(instruction, 8)
+
+    assert groups("replica_groups={{0,1},{2,3},{4,5},{6,7}}")[1] == [2, 3]
+    assert groups("replica_groups=[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups("replica_groups=[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    mesh_form = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}"
+    assert groups(mesh_form) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("replica_groups={}") == [list(range(8))]
+
+
+def _lm_workload(*, scan_layers: bool) -> planning.Workload:
+    """The small language model of ``_lm_module``, batch 16, as a workload."""
+    return planning.transformer_workload(
+        num_layers=2,
+        embed_dim=64,
+        num_heads=4,
+        mlp_dim=256,
+        vocab_size=256,
+        length=32,
+        batch_size=16,
+        scan_layers=scan_layers,
+    )
+
+
+def test_a_scanned_program_counts_every_trip_of_its_loop() -> None:
+    layout = planning.Layout({"data": 8}, precision="f32")
+    flops = {
+        scan: planning.plan(_lm_workload(scan_layers=scan), [layout], TARGET, progress=False)
+        .reports[0]
+        .measurement.flops
+        for scan in (False, True)
+    }
+    assert flops[True] == pytest.approx(flops[False], rel=0.03)
+
+
+def test_collectives_across_slices_are_only_those_of_the_axis_that_spans_them() -> None:
+    workload = _lm_workload(scan_layers=True)
+    target = planning.Target("h100", 8, slices=2)
+    layout = planning.candidate_layouts(8, tensor=(2,), fsdp=(1,), slices=2)[0]
+    report = planning.plan(workload, [layout], target, progress=False).reports[0]
+    across = [c for c in report.measurement.collectives if c.across_slices]
+    assert across and report.collective_bytes(across_slices=True) > 0
+    # tensor parallelism (model=2) stays within a slice: groups of 2 never cross
+    assert all(c.group_size != 2 for c in across)
+    assert report.terms["dcn"] > 0
+
+
+@functools.cache
+def _lm_plan() -> planning.Plan:
+    """Four tensor-parallel layouts of the small language model on 8 devices."""
+    workload = _lm_workload(scan_layers=True)
+    layouts = planning.candidate_layouts(8, tensor=(2, 4), fsdp=(1, 2), precision="f32")
+    return planning.plan(workload, layouts, TARGET, progress=False)
+
+
+def test_plan_ranks_fitting_layouts_and_writes_json_and_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = _lm_plan()
+    assert len(result.reports) == 4 and all(r.fits for r in result.reports)
+    times = [r.estimated_step_seconds for r in result.reports]
+    assert times == sorted(times) and result.best is result.reports[0]
+    records = json.loads(result.write_json(tmp_path / "plan.json").read_text())
+    keys = {"layout", "fits", "params_bytes_per_device", "optimizer_bytes_per_device",
+            "temp_bytes_per_device", "total_bytes_per_device", "collective_bytes_per_device",
+            "flops_per_device", "estimated_step_seconds", "num_params"}  # fmt: skip
+    assert all(keys <= set(record) for record in records["layouts"])
+    chosen = planning.load_layout(tmp_path / "plan.json")
+    assert chosen.name == result.best.layout.name
+    assert chosen.axis_sizes == result.best.layout.axis_sizes
+    assert chosen.rules is not None and chosen.rules.logical == result.best.layout.rules.logical  # type: ignore[union-attr]
+    assert result.plot(tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert result.best.layout.name in result.table()
+    assert result.describe_choice().startswith(f"chosen: {result.best.layout.name}")
+
+
+def test_nothing_fits_names_the_closest_and_its_overshoot() -> None:
+    from meshkit.plan._planner import estimate
+
+    target = planning.Target("h100", 8, memory_fraction=1e-6)
+    reports = [estimate(r.measurement, target, 1.0) for r in _lm_plan().reports]
+    closest = min(reports, key=lambda r: r.measurement.total_bytes)
+    result = planning.Plan(target, tuple(sorted(reports, key=lambda r: r.measurement.total_bytes)))
+    assert not any(r.fits for r in reports)
+    with pytest.raises(
+        planning.NoLayoutFitsError, match=rf"closest, '{closest.layout.name}'.*GiB over"
+    ):
+        _ = result.best
+    assert "What would make it fit" in result.describe_choice()
+
+
+def test_bad_input_gets_clear_errors() -> None:
+    with pytest.raises(ValueError, match=r"h100.*v5e"):
+        planning.Target("h900", 8)
+    with pytest.raises(ValueError, match="multiply to 4"):
+        planning.plan(_lm_workload(scan_layers=True), [planning.Layout({"data": 4})], TARGET)
+    bad = planning.Workload(
+        model=_lm_workload(scan_layers=True).model,
+        tx=optax.sgd(0.1),
+        loss_fn=classification_loss,  # wants "image" and "label"
+        batch={"tokens": np.zeros((8, 33), np.int32)},
+    )
+    with pytest.raises(ValueError, match=r"could not be traced with the batch.*tokens"):
+        planning.plan(bad, [planning.Layout({"data": 8})], TARGET, progress=False)
+
+
+@pytest.mark.once
+def test_planning_a_7b_model_allocates_none_of_its_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    argv = ["--model", "gpt-7b", "--devices", "8", "--tensor", "8", "--fsdp", "1", "--remat",
+            "nothing_saveable", "--length", "128", "--batch-size", "8", "--vocab", "32000",
+            "--quiet", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    code = (
+        "import resource, sys; from meshkit.plan._cli import main; main(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True
+    )
+    peak_bytes = int(done.stdout.split()[-1]) * 1024
+    record = json.loads((tmp_path / "plan.json").read_text())["layouts"][0]
+    weights = record["num_params"] * 4
+    assert record["num_params"] > 6e9 and weights > 24 * 2**30
+    assert peak_bytes < 3 * 2**30  # the float32 weights alone would be 25 GiB
+
+
+def _lm_module(remat: str = "none") -> Any:
+    from meshkit.models import Transformer
+
+    return Transformer(
+        vocab_size=256, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256, max_length=32,
+        remat=remat, scan_layers=True,  # pyright: ignore[reportCallIssue]
+    )  # fmt: skip
+
+
+def _chosen_layout() -> dict[str, Any]:
+    """The plan's choice for the small language model on 8 devices, as JSON."""
+    return _lm_plan().best.layout.to_json()
+
+
+def train_with_layout(layout_json: dict[str, Any] | None, steps: int = 3) -> list[float]:
+    """Losses of the small language model trained ``steps`` steps with a layout.
+
+    ``None``: the default layout, pure data parallelism over every device.
+    """
+    from meshkit import data, train
+    from meshkit.plan._workloads import next_token_loss
+
+    layout = planning.Layout.from_json(layout_json) if layout_json else None
+    mesh = layout.make_mesh() if layout else meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh, layout.data_axes if layout else "data")
+    module = _lm_module(layout.remat if layout else "none")
+    model = linen_model(module, jnp.zeros((1, 32), jnp.int32))
+    state = create_train_state(
+        model, optax.adamw(3e-3), mesh, rules=layout.rules if layout else None
+    )
+    step = train.make_train_step(
+        next_token_loss,
+        train.state_shardings_of(state),
+        sharding,
+        microbatches=layout.microbatches if layout else 1,
+    )
+    source = data.reference_text("train", length=32)
+    pipeline = data.TrainPipeline(source, global_batch_size=16, sharding=sharding, seed=0)
+    losses = []
+    with data.GlobalBatchIterator(pipeline) as batches:
+        for _ in range(steps):
+            state, metrics = step(state, next(batches))
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_the_chosen_layout_trains_like_the_default_one() -> None:
+    chosen = _chosen_layout()
+    assert chosen["axes"]["model"] > 1  # tensor parallel: a layout unlike the default
+    reference = train_with_layout(None)
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(train_with_layout(chosen), reference, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_the_chosen_layout_trains_alike_in_two_processes() -> None:
+    chosen = _chosen_layout()
+    reference = train_with_layout(None)
+    for losses in run_processes(train_with_layout, chosen):
+        np.testing.assert_allclose(losses, reference, rtol=1e-5)
