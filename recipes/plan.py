@@ -29,8 +29,9 @@ import argparse
 import importlib.util
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 
+from meshkit.models import RematPolicy
 from recipes._args import recipe_parser
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -40,11 +41,11 @@ SIZES: dict[str, dict[str, Any]] = {
 """Model sizes by ``--params``: GPT-3 XL's shape, and a LLaMA-7B-sized width and depth."""
 
 TARGETS: dict[str, dict[str, Any]] = {
-    "h100x64": {"accelerator": "h100", "devices": 64, "slices": 8, "tensor": (1, 8)},
-    "v5e-256": {"accelerator": "v5e", "devices": 256, "slices": 1, "tensor": (1, 8)},
+    "h100x64": {"accelerator": "h100", "devices": 64, "slices": 8, "fsdp": (1, 8)},
+    "v5e-256": {"accelerator": "v5e", "devices": 256, "slices": 1, "fsdp": (16, 256)},
 }
 """Targets by name: 8 nodes of 8 H100s (NVLink within a node, InfiniBand across), and a
-single 16×16 v5e slice."""
+single 16×16 v5e slice; the FSDP sizes each tries, beside tensor parallelism over 1 or 8."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
     parser.add_argument("--length", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
-    parser.add_argument("--remat", default="none,nothing_saveable", help="policies to try")
+    parser.add_argument(
+        "--remat",
+        nargs="+",
+        choices=get_args(RematPolicy),
+        default=["none", "nothing_saveable"],
+        help="remat policies to try",
+    )
     return parser.parse_args(argv)
 
 
@@ -86,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         layouts = plan.candidate_layouts(
             target.devices,
-            tensor=spec["tensor"],
-            remat=args.remat.split(","),
+            tensor=(1, 8),
+            fsdp=spec["fsdp"],
+            remat=args.remat,
             slices=target.slices,
         )
         start = time.perf_counter()

@@ -17,6 +17,7 @@ import pytest
 
 import meshkit
 from meshkit import plan as planning
+from meshkit.models import RematPolicy
 from meshkit.plan import _hlo
 from meshkit.testing import run_processes
 from meshkit.train import classification_loss, create_train_state, linen_model
@@ -233,12 +234,12 @@ def test_planning_a_7b_model_allocates_none_of_its_weights(tmp_path) -> None:  #
     assert peak_bytes < 3 * 2**30  # the float32 weights alone would be 25 GiB
 
 
-def _lm_module(remat: str = "none") -> Any:
+def _lm_module(remat: RematPolicy = "none") -> Any:
     from meshkit.models import Transformer
 
     return Transformer(
         vocab_size=256, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256, max_length=32,
-        remat=remat, scan_layers=True,  # pyright: ignore[reportCallIssue]
+        remat=remat, scan_layers=True,
     )  # fmt: skip
 
 

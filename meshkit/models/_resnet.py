@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshkit.models._remat import RematPolicy, remat_block, remat_policy
+
 Stem = Literal["imagenet", "cifar"]
 
 
@@ -64,7 +66,10 @@ def _conv(features: int, size: int, stride: int, dtype: Any, name: str) -> nn.Co
 
 
 class BasicBlock(nn.Module):
-    """Two 3×3 convolutions and a shortcut (ResNet-18 and -34); ``features`` out."""
+    """Two 3×3 convolutions and a shortcut (ResNet-18 and -34); ``features`` out.
+
+    ``train`` may be passed by position, as ``nn.remat`` needs for a static argument.
+    """
 
     features: int
     stride: int = 1
@@ -74,7 +79,7 @@ class BasicBlock(nn.Module):
     expansion: ClassVar[int] = 1
 
     @nn.compact
-    def __call__(self, x_BxHxWxC: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x_BxHxWxC: jax.Array, train: bool = False) -> jax.Array:
         out = self.features * self.expansion
         y = _conv(self.features, 3, self.stride, self.dtype, "conv1")(x_BxHxWxC)
         y = nn.relu(_norm(train, self.dtype, name="bn1")(y))
@@ -84,7 +89,10 @@ class BasicBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """1×1 reduce, 3×3 (strided: v1.5), 1×1 expand by 4, and a shortcut (ResNet-50)."""
+    """1×1 reduce, 3×3 (strided: v1.5), 1×1 expand by 4, and a shortcut (ResNet-50).
+
+    ``train`` may be passed by position, as ``nn.remat`` needs for a static argument.
+    """
 
     features: int
     stride: int = 1
@@ -94,7 +102,7 @@ class Bottleneck(nn.Module):
     expansion: ClassVar[int] = 4
 
     @nn.compact
-    def __call__(self, x_BxHxWxC: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x_BxHxWxC: jax.Array, train: bool = False) -> jax.Array:
         out = self.features * self.expansion
         y = _conv(self.features, 1, 1, self.dtype, "conv1")(x_BxHxWxC)
         y = nn.relu(_norm(train, self.dtype, name="bn1")(y))
@@ -147,6 +155,8 @@ class ResNet(nn.Module):
       dtype: the compute dtype; ``None`` follows the inputs and parameters (so
         ``create_train_state(..., precision="bf16")`` decides), ``jnp.bfloat16``
         computes in bfloat16 with float32 parameters.
+      remat: what each residual block keeps for the backward pass (a
+        ``RematPolicy``); the running averages in ``batch_stats`` update as they do without.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -163,9 +173,11 @@ class ResNet(nn.Module):
     stem: Stem = "imagenet"
     zero_init_residual: bool = False
     dtype: Any = None
+    remat: RematPolicy = "none"
 
     @nn.compact
     def __call__(self, x_BxHxWxC: jax.Array, *, train: bool = False) -> jax.Array:
+        remat_policy(self.remat)
         if self.stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' or 'cifar', got {self.stem!r}.")
         if x_BxHxWxC.ndim != 4:
@@ -182,15 +194,16 @@ class ResNet(nn.Module):
         else:
             x = _conv(self.width, 3, 1, self.dtype, "stem_conv")(x)
             x = nn.relu(_norm(train, self.dtype, name="stem_bn")(x))
+        block = remat_block(self.block, self.remat, scanned=False)
         for stage, blocks in enumerate(self.stage_sizes):
             for index in range(blocks):
-                x = self.block(
+                x = block(
                     features=self.width * 2**stage,
                     stride=2 if stage > 0 and index == 0 else 1,
                     zero_init_residual=self.zero_init_residual,
                     dtype=self.dtype,
                     name=f"stage{stage + 1}_block{index + 1}",
-                )(x, train=train)
+                )(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 

@@ -18,7 +18,13 @@ name       dimension                                             symbol
 ``mlp``    the hidden width of the MLP blocks, ``mlp_dim``       F
 ``heads``  attention heads, ``num_heads``                        H
 ``kv``     the width of one head, ``embed_dim // num_heads``     K
+``layers`` the blocks of a scanned model (parameters only)       N
 =========  ====================================================  ======
+
+With ``scan_layers=True`` every parameter of the blocks carries ``layers`` first
+(``layers/attention/query/kernel: (layers, embed, heads, kv)``), so a logical table
+used with a scanned model needs a ``"layers"`` entry, normally ``None`` (every device
+holds all the layers, each sharded as the other names say).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from meshkit.models._remat import RematPolicy, remat_block, remat_policy, scan_blocks
 
 _INIT_STDDEV = 0.02
 
@@ -156,14 +164,17 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm layer: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+    """One pre-LayerNorm layer: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+
+    ``train`` may be passed by position, as ``nn.remat`` needs for a static argument.
+    """
 
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attention = CausalSelfAttention(self.num_heads, self.dropout_rate, name="attention")
         x_BxLxD = x_BxLxD + dropout(attention(_layer_norm("attention_norm")(x_BxLxD), train=train))
@@ -196,6 +207,12 @@ class Transformer(nn.Module):
         ``"sinusoidal"`` (fixed codes, no parameters).
       tie_embeddings: compute logits with the token embedding (``x @ embedding.T``)
         instead of a separate ``[embed_dim, vocab_size]`` matrix.
+      remat: what each block keeps for the backward pass (a ``RematPolicy``);
+        ``"none"`` keeps everything, ``"nothing_saveable"`` recomputes each block.
+      scan_layers: run the blocks as one ``nn.scan`` over parameters stacked along a
+        leading ``layers`` dimension (``params/layers/...`` instead of
+        ``params/block_0/...``), so the compiled program does not grow with
+        ``num_layers``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -207,6 +224,14 @@ class Transformer(nn.Module):
         >>> specs = nn.get_partition_spec(variables)["params"]
         >>> specs["embed"]["embedding"], specs["block_0"]["attention"]["query"]["kernel"]
         (P('vocab', 'embed'), P('embed', 'heads', 'kv'))
+
+        The same model with its blocks scanned and recomputed in the backward pass:
+
+        >>> scanned = model.clone(scan_layers=True, remat="nothing_saveable")
+        >>> variables = jax.eval_shape(scanned.init, jax.random.key(0),
+        ...                            jnp.zeros((1, 16), jnp.int32))
+        >>> nn.get_partition_spec(variables)["params"]["layers"]["attention"]["query"]["kernel"]
+        P('layers', 'embed', 'heads', 'kv')
     """
 
     vocab_size: int = 256
@@ -218,8 +243,11 @@ class Transformer(nn.Module):
     dropout_rate: float = 0.0
     positions: Literal["learned", "sinusoidal"] = "learned"
     tie_embeddings: bool = True
+    remat: RematPolicy = "none"
+    scan_layers: bool = False
 
     def _check(self, tokens_BxL: jax.Array) -> None:
+        remat_policy(self.remat)
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"Transformer embed_dim={self.embed_dim} is not divisible by "
@@ -255,9 +283,16 @@ class Transformer(nn.Module):
             x_BxLxD = x_BxLxD + sinusoidal_positions(length, self.embed_dim).astype(x_BxLxD.dtype)
         x_BxLxD = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxLxD)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
-        for layer in range(self.num_layers):
-            block = Block(self.num_heads, self.mlp_dim, self.dropout_rate, name=f"block_{layer}")
-            x_BxLxD = block(x_BxLxD, train=train)
+        block = remat_block(Block, self.remat, scanned=self.scan_layers)
+        if self.scan_layers:
+            layers = block(self.num_heads, self.mlp_dim, self.dropout_rate, name="layers")
+            x_BxLxD = scan_blocks(layers, x_BxLxD, train, length=self.num_layers)
+        else:
+            for layer in range(self.num_layers):
+                layer_block = block(
+                    self.num_heads, self.mlp_dim, self.dropout_rate, name=f"block_{layer}"
+                )
+                x_BxLxD = layer_block(x_BxLxD, train)
         x_BxLxD = _layer_norm("final_norm")(x_BxLxD)
         if self.tie_embeddings:
             logits_BxLxV = embed.attend(x_BxLxD)

@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshkit.models._remat import RematPolicy, remat_block, remat_policy, scan_blocks
+
 Pool = Literal["token", "gap"]
 
 _DENSE_INIT = nn.initializers.xavier_uniform()
@@ -65,7 +67,10 @@ class MlpBlock(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-LN Transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))``."""
+    """Pre-LN Transformer block: ``x + MHA(LN(x))``, then ``x + MLP(LN(x))``.
+
+    ``train`` may be passed by position, as ``nn.remat`` needs for a static argument.
+    """
 
     num_heads: int
     mlp_dim: int
@@ -74,7 +79,7 @@ class EncoderBlock(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
         h = nn.LayerNorm(dtype=self.dtype, name="norm1")(x_BxLxD)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
@@ -118,6 +123,10 @@ class ViT(nn.Module):
       attention_dropout_rate: dropout on the attention weights.
       image_size: when set, the input's height and width must equal it.
       dtype: the compute dtype; ``None`` follows the inputs and parameters.
+      remat: what each encoder block keeps for the backward pass (a ``RematPolicy``).
+      scan_layers: run the encoder blocks as one ``nn.scan`` over parameters stacked
+        along a leading dimension of size ``depth`` (``params/layers/...`` instead of
+        ``params/block1/...``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -139,9 +148,12 @@ class ViT(nn.Module):
     attention_dropout_rate: float = 0.0
     image_size: int | None = None
     dtype: Any = None
+    remat: RematPolicy = "none"
+    scan_layers: bool = False
 
     def _check(self, shape: tuple[int, ...]) -> None:
         name = type(self).__name__
+        remat_policy(self.remat)
         if self.pool not in ("token", "gap"):
             raise ValueError(f"pool must be 'token' or 'gap', got {self.pool!r}.")
         if self.embed_dim % self.num_heads:
@@ -190,15 +202,20 @@ class ViT(nn.Module):
         pos_1xLxD = self.param("pos_embedding", _POS_INIT, (1, *x_BxLxD.shape[1:]))
         x_BxLxD = x_BxLxD + pos_1xLxD.astype(x_BxLxD.dtype)
         x_BxLxD = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxLxD)
-        for index in range(self.depth):
-            x_BxLxD = EncoderBlock(
-                num_heads=self.num_heads,
-                mlp_dim=self.mlp_dim,
-                dropout_rate=self.dropout_rate,
-                attention_dropout_rate=self.attention_dropout_rate,
-                dtype=self.dtype,
-                name=f"block{index + 1}",
-            )(x_BxLxD, train=train)
+        block = remat_block(EncoderBlock, self.remat, scanned=self.scan_layers)
+        settings = {
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout_rate": self.dropout_rate,
+            "attention_dropout_rate": self.attention_dropout_rate,
+            "dtype": self.dtype,
+        }
+        if self.scan_layers:
+            layers = block(**settings, name="layers")
+            x_BxLxD = scan_blocks(layers, x_BxLxD, train, length=self.depth)
+        else:
+            for index in range(self.depth):
+                x_BxLxD = block(**settings, name=f"block{index + 1}")(x_BxLxD, train)
         x_BxLxD = nn.LayerNorm(dtype=self.dtype, name="norm")(x_BxLxD)
         x_BxD = x_BxLxD[:, 0] if self.pool == "token" else jnp.mean(x_BxLxD, axis=1)
         return nn.Dense(

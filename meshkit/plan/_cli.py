@@ -11,7 +11,9 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
+
+from meshkit.models._remat import RematPolicy
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt-125m": {"num_layers": 12, "embed_dim": 768, "num_heads": 12, "mlp_dim": 3072},
@@ -23,6 +25,17 @@ MODELS: dict[str, dict[str, Any]] = {
 
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
+
+
+def remat_policies(text: str) -> list[RematPolicy]:
+    """``"none,nothing_saveable"`` -> the policy names, each checked."""
+    names = [part for part in text.split(",") if part]
+    unknown = [name for name in names if name not in get_args(RematPolicy)]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown remat policies {unknown}; choose among {list(get_args(RematPolicy))}"
+        )
+    return cast(list[RematPolicy], names)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,7 +60,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", help="TPU topology, e.g. v5e:16x16 (with --compiler tpu)")
     p.add_argument("--tensor", type=_ints, default=[1, 8], help="model-axis sizes to try")
     p.add_argument("--fsdp", type=_ints, help="fsdp-axis sizes to try (default: all)")
-    p.add_argument("--remat", default="none,nothing_saveable", help="policies to try")
+    p.add_argument(
+        "--remat",
+        type=remat_policies,
+        default=["none", "nothing_saveable"],
+        help="remat policies to try, comma-separated",
+    )
     p.add_argument("--microbatches", type=_ints, default=[1], help="counts to try")
     p.add_argument("--precision", default="bf16", choices=("f32", "bf16", "f16"))
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
@@ -82,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.devices,
         tensor=args.tensor,
         fsdp=args.fsdp,
-        remat=[policy for policy in args.remat.split(",") if policy],
+        remat=args.remat,
         microbatches=args.microbatches,
         precision=args.precision,
         slices=args.slices,

@@ -164,11 +164,15 @@ class ProgramCounts:
       dot_flops: FLOPs of every ``dot`` and ``convolution``, each counted as often as it runs.
       dot_flops_once: the same with every loop body counted once, as XLA's
         ``cost_analysis()`` counts it.
+      dot_bytes: bytes the products and convolutions read and write (operands and
+        results), as often as they run: the memory traffic a compiler that fuses all
+        elementwise work into them cannot avoid.
       collectives: every collective instruction, with how often it runs.
     """
 
     dot_flops: float
     dot_flops_once: float
+    dot_bytes: float
     collectives: tuple[Collective, ...]
 
 
@@ -292,7 +296,7 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
     computations, entry = _computations(hlo_text)
     runs = _run_counts(computations, entry, with_trips=True)
     runs_once = _run_counts(computations, entry, with_trips=False)
-    flops = flops_once = 0.0
+    flops = flops_once = traffic = 0.0
     collectives = []
     for name, instructions in computations.items():
         shapes = {instruction.name: instruction.shape for instruction in instructions}
@@ -305,6 +309,10 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
                 cost = _dot_flops(instruction, shapes)
                 flops += cost * runs.get(name, 0)
                 flops_once += cost * runs_once.get(name, 0)
+                touched = array_bytes(instruction.shape) + sum(
+                    array_bytes(shapes.get(operand, "")) for operand in _operands(instruction)
+                )
+                traffic += touched * runs.get(name, 0)
             kind = instruction.opcode.removesuffix("-start")
             if kind in COLLECTIVES and runs.get(name, 0):
                 groups = _groups(instruction, len(slice_of_device))
@@ -325,4 +333,4 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
                         collectives.append(
                             Collective(part, part_bytes, size, across, runs[name], instruction.name)
                         )
-    return ProgramCounts(flops, flops_once, tuple(collectives))
+    return ProgramCounts(flops, flops_once, traffic, tuple(collectives))

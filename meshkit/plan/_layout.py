@@ -15,6 +15,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from meshkit._mesh import parse_axes
 from meshkit._rules import FSDP, PartitionRules, Rule
+from meshkit.models._remat import RematPolicy
 from meshkit.plan._accelerators import Accelerator, accelerator
 
 Compiler = Literal["cpu", "tpu"]
@@ -42,7 +43,7 @@ class Layout:
     axes: Mapping[str, int] | str
     rules: PartitionRules | None = None
     data_axes: tuple[str, ...] = ("data",)
-    remat: str = "none"
+    remat: RematPolicy = "none"
     microbatches: int = 1
     precision: str = "bf16"
     dcn_axes: Mapping[str, int] | None = None

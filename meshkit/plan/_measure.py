@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from meshkit._batch import batch_sharding
+from meshkit.models._remat import RematPolicy
 from meshkit.plan._hlo import Collective, program_counts
 from meshkit.plan._layout import Layout, Target, layout_mesh
 from meshkit.train._gradients import LossFn
@@ -35,13 +36,13 @@ class Workload:
         default the least any candidate layout needs (the one that recomputes least).
     """
 
-    model: Model | Callable[[str], Model]
+    model: Model | Callable[[RematPolicy], Model]
     tx: optax.GradientTransformation
     loss_fn: LossFn
     batch: Mapping[str, Any]
     model_flops: float | None = None
 
-    def model_for(self, remat: str) -> Model:
+    def model_for(self, remat: RematPolicy) -> Model:
         """The model with ``remat`` applied (a fixed ``Model`` takes only ``"none"``)."""
         if isinstance(self.model, Model):
             if remat != "none":
@@ -62,6 +63,23 @@ class Measurement:
     bytes accessed are one step of one device's program, loops counted as often as
     they run. ``compiler`` says whose figures they are (XLA:CPU's temporaries are not
     a GPU's or TPU's).
+
+    Attributes:
+      layout: the layout measured.
+      num_params: parameters of the model.
+      params_bytes: the parameters' shard on one device.
+      optimizer_bytes: the optimizer state's shard on one device.
+      gradient_bytes: the gradients' shard (as the parameters').
+      batch_bytes: the batch's shard.
+      temp_bytes: the compiled program's temporaries.
+      total_bytes: arguments + outputs - donated aliases + temporaries.
+      flops: FLOPs of one step on one device.
+      bytes_accessed: memory traffic as the compiler counts it (XLA:CPU counts every
+        unfused elementwise operation; the TPU compiler's is the TPU's).
+      matmul_bytes: operands and results of the products and convolutions alone.
+      collectives: every collective, with its replica groups and run count.
+      compile_seconds: time to lower and compile.
+      compiler: whose figures these are (``"XLA:CPU"``, ``"XLA:TPU (v5e:16x16)"``).
     """
 
     layout: Layout
@@ -74,6 +92,7 @@ class Measurement:
     total_bytes: int
     flops: float
     bytes_accessed: float
+    matmul_bytes: float
     collectives: tuple[Collective, ...]
     compile_seconds: float
     compiler: str
@@ -160,6 +179,7 @@ def _read(
         total_bytes=int(total),
         flops=flops,
         bytes_accessed=float(cost.get("bytes accessed", 0.0)) * scale,
+        matmul_bytes=counts.dot_bytes,
         collectives=counts.collectives,
         compile_seconds=seconds,
         compiler=f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU",

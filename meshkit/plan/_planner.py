@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from meshkit._rules import FSDP, PartitionRules
+from meshkit.models._remat import RematPolicy
 from meshkit.plan._accelerators import ACCELERATORS
 from meshkit.plan._layout import Layout, Target, target_devices
 from meshkit.plan._measure import Measurement, Workload, measure
@@ -31,7 +32,7 @@ class LayoutReport:
       capacity_bytes: the memory one chip may use (capacity × ``memory_fraction``).
       fits: ``total_bytes`` is within ``capacity_bytes``.
       terms: the roofline's terms in seconds: ``compute`` (FLOPs / peak), ``memory``
-        (bytes accessed / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic / link
+        (``memory_traffic`` / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic / link
         bandwidth, within and across slices).
       estimated_step_seconds: ``max(compute, memory) + ici + dcn`` (no overlap of
         communication with compute is assumed, so it errs long).
@@ -90,6 +91,7 @@ class LayoutReport:
             "collective_payload_bytes_by_kind": by_kind,
             "flops_per_device": m.flops,
             "bytes_accessed_per_device": m.bytes_accessed,
+            "matmul_bytes_per_device": m.matmul_bytes,
             "estimated_step_seconds": self.estimated_step_seconds,
             "step_time_terms_seconds": self.terms,
             "bottleneck": self.bottleneck,
@@ -99,6 +101,15 @@ class LayoutReport:
         }
 
 
+def memory_traffic(measurement: Measurement) -> float:
+    """The HBM bytes the roofline charges one step: the TPU compiler's own count, or
+    (from XLA:CPU, which fuses less than GPU and TPU compilers) the products' and
+    convolutions' operands and results, which no fusion avoids."""
+    if measurement.compiler.startswith("XLA:TPU"):
+        return measurement.bytes_accessed
+    return measurement.matmul_bytes
+
+
 def estimate(measurement: Measurement, target: Target, model_flops: float) -> LayoutReport:
     """The roofline estimate of one measured layout on the target's chips."""
     chip = target.chip
@@ -106,7 +117,7 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
     dcn = sum(c.traffic_bytes * c.count for c in measurement.collectives if c.across_slices)
     terms = {
         "compute": measurement.flops / chip.peak_flops,
-        "memory": measurement.bytes_accessed / chip.hbm_bytes_per_second,
+        "memory": memory_traffic(measurement) / chip.hbm_bytes_per_second,
         "ici": ici / chip.ici_bytes_per_second,
         "dcn": dcn / chip.dcn_bytes_per_second,
     }
@@ -287,7 +298,7 @@ def candidate_layouts(
     *,
     tensor: Iterable[int] = (1, 2, 4, 8),
     fsdp: Iterable[int] | None = None,
-    remat: Iterable[str] = ("none",),
+    remat: Iterable[RematPolicy] = ("none",),
     microbatches: Iterable[int] = (1,),
     precision: str = "bf16",
     logical: bool = True,

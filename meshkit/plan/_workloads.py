@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from meshkit._types import Batch
+from meshkit.models._remat import RematPolicy
 from meshkit.plan._measure import Workload
 from meshkit.train._gradients import LossOutput
 from meshkit.train._state import Model, TrainState, linen_model
@@ -53,7 +54,7 @@ def transformer_workload(
     """
     from meshkit.models import Transformer
 
-    def model(remat: str) -> Model:
+    def model(remat: RematPolicy) -> Model:
         module = Transformer(
             vocab_size=vocab_size,
             num_layers=num_layers,
@@ -61,8 +62,8 @@ def transformer_workload(
             embed_dim=embed_dim,
             mlp_dim=mlp_dim,
             max_length=length,
-            remat=remat,  # pyright: ignore[reportCallIssue]
-            scan_layers=scan_layers,  # pyright: ignore[reportCallIssue]
+            remat=remat,
+            scan_layers=scan_layers,
         )
         return linen_model(module, jnp.zeros((1, length), jnp.int32))
 
