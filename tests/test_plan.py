@@ -301,3 +301,17 @@ def test_every_process_plans_the_same_layout_and_trains_like_one() -> None:
     assert len({name for name, _ in results}) == 1  # every process chose alike
     for _, losses in results:
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+@pytest.mark.multiprocess  # runs once: the recipe starts its own 64 fake devices
+def test_the_recipe_prints_a_ranked_plan_and_writes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    argv = ["--targets", "h100x64", "--remat", "nothing_saveable", "--length", "128",
+            "--batch-size", "64", "--workdir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "recipes.plan", *argv], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "chosen: data=" in done.stdout
+    layouts = json.loads((tmp_path / "plan_h100x64.json").read_text())["layouts"]
+    assert len(layouts) == 3 and layouts[0]["num_params"] > 1.3e9
+    assert (tmp_path / "plan_h100x64.png").read_bytes()[:4] == b"\x89PNG"
