@@ -113,8 +113,8 @@ class Layout:
         """The layout's mesh over real devices (default ``jax.devices()``), for training.
 
         Examples:
-            >>> Layout("data=1,model=1").make_mesh(jax.devices()[:1]).shape
-            OrderedDict({'data': 1, 'model': 1})
+            >>> dict(Layout("data=1,model=1").make_mesh(jax.devices()[:1]).shape)
+            {'data': 1, 'model': 1}
         """
         from meshkit._mesh import make_mesh
 

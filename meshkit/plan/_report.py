@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
-from meshkit.plan._planner import GiB, NoLayoutFitsError, Plan
+GiB = 2**30
+
+Plan = Any
+"""A ``meshkit.plan.Plan`` (named here without importing it: the plan imports this module)."""
 
 
 def plan_table(plan: Plan) -> str:
@@ -43,7 +47,7 @@ def describe_choice(plan: Plan) -> str:
     """
     try:
         best = plan.best
-    except NoLayoutFitsError as error:
+    except ValueError as error:  # NoLayoutFitsError: the closest layout and the fixes
         return str(error)
     spare = (best.capacity_bytes - best.measurement.total_bytes) / GiB
     runner_up = next((r for r in plan.reports[1:] if r.fits), None)
