@@ -1,8 +1,4 @@
-"""Data pipelines on 2 processes × 4 devices against 1 process × 8 devices.
-
-The child functions run in one launch of the two processes (``child_checks``); each
-test checks its part of what they returned.
-"""
+"""Data pipelines on 2 processes × 4 devices against 1 process × 8 devices."""
 
 from __future__ import annotations
 
@@ -77,45 +73,27 @@ def assert_same_stream(a, b):
         np.testing.assert_array_equal(x["y"], y["y"])
 
 
-EVAL_SIZES = [0, 1, 7, 8, 9, 4097]
-
-
-def child_checks() -> dict:
-    """Every child function above, one after the other, in the same two processes."""
-    return {
-        "data_axis": child_train_data_axis(),
-        "replica_axis": child_train_replica_axis(),
-        "eval": [child_eval(n) for n in EVAL_SIZES],
-    }
-
-
-@pytest.fixture(scope="module")
-def children() -> list[dict]:
-    """What ``child_checks`` returned in each of the two processes (one launch)."""
-    return run_processes(child_checks)
-
-
-@pytest.fixture(scope="module")
-def one_process() -> list[dict[str, np.ndarray]]:
-    """The train stream on this process's devices (1 × 8 in the tests that use it)."""
-    return train_stream(meshkit.make_mesh("data=-1"))
-
-
 @pytest.mark.devices(8)
-def test_two_processes_see_the_same_global_batches_as_one(children, one_process):
-    for stream in (c["data_axis"] for c in children):
+def test_two_processes_see_the_same_global_batches_as_one():
+    one_process = train_stream(meshkit.make_mesh("data=-1"))
+    for stream in run_processes(child_train_data_axis):
         assert_same_stream(stream, one_process)
 
 
 @pytest.mark.devices(8)
-def test_replica_axis_across_processes_gives_the_same_batches(children, one_process):
-    for stream in (c["replica_axis"] for c in children):
+def test_replica_axis_across_processes_gives_the_same_batches():
+    one_process = train_stream(meshkit.make_mesh("data=-1"))
+    for stream in run_processes(child_train_replica_axis):
         assert_same_stream(stream, one_process)
 
 
-def test_eval_every_example_once_with_unequal_per_process_counts(children):
-    sizes = EVAL_SIZES
-    results = [c["eval"] for c in children]
+def child_eval_sizes(sizes: list[int]) -> list[dict]:
+    return [child_eval(n) for n in sizes]
+
+
+def test_eval_every_example_once_with_unequal_per_process_counts():
+    sizes = [0, 1, 7, 8, 9, 4097]
+    results = run_processes(child_eval_sizes, sizes)
     for i, n in enumerate(sizes):
         per_process = [r[i] for r in results]
         assert [r["steps"] for r in per_process] == [-(-n // 256)] * 2

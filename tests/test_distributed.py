@@ -11,9 +11,6 @@ import pytest
 import meshkit
 from meshkit.distributed import Launch, detect_launch
 
-# launch detection and initialize()'s arguments: no devices involved
-pytestmark = pytest.mark.once
-
 
 def test_detect_single_explicit_and_environment():
     assert detect_launch(environ={}) == Launch("single")

@@ -1,17 +1,8 @@
-"""meshkit.ensemble in one process: layouts, independence, metrics, K=1, checkpoints, errors.
-
-Compiling is most of each test's time, so the tests share what they compile: the
-initial state of each model and layout (``initial_state``: one
-``create_ensemble_state``, a copy for each test, as the steps donate their input) and
-the steps of each layout (``ensemble_step``, ``plain_step``). The models are made once
-(``TINY``, ``TINY_NORM``), so states of one layout have equal static fields and one
-compiled step serves them all. A test that counts compiles builds its own step.
-"""
+"""meshkit.ensemble in one process: layouts, independence, metrics, K=1, checkpoints, errors."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -44,42 +35,6 @@ def tiny_model(module: nn.Module | None = None) -> train.Model:
 
 
 TX = optax.sgd(0.1, momentum=0.9)
-TINY = tiny_model()
-TINY_NORM = tiny_model(NormCNN())
-_INITIAL_STATES: dict[tuple, train.TrainState] = {}
-_STEPS: dict[tuple, Callable] = {}
-
-
-def initial_state(
-    layout: ensemble.EnsembleLayout, model: train.Model = TINY, seed: int = 0
-) -> train.TrainState:
-    """A copy of ``create_ensemble_state(model, TX, layout, seed=seed)``, made once."""
-    key = (model, layout.mesh, layout.num_members, seed)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = ensemble.create_ensemble_state(model, TX, layout, seed=seed)
-    return jax.device_put(_INITIAL_STATES[key], may_alias=False)  # steps donate their copy
-
-
-def ensemble_step(layout: ensemble.EnsembleLayout, *, member_batches: bool = False) -> Callable:
-    """``make_ensemble_step(ensemble.classification_loss, layout, ...)``, made once."""
-    key = ("ensemble", layout.mesh, layout.num_members, member_batches)
-    if key not in _STEPS:
-        _STEPS[key] = ensemble.make_ensemble_step(
-            ensemble.classification_loss, layout, member_batches=member_batches
-        )
-    return _STEPS[key]
-
-
-def plain_step(member: train.TrainState, mesh: jax.sharding.Mesh) -> Callable:
-    """The data-parallel step for one member of a ``TINY`` ensemble on ``mesh``, made once."""
-    key = ("plain", mesh)
-    if key not in _STEPS:
-        _STEPS[key] = train.make_train_step(
-            train.classification_loss,
-            train.state_shardings_of(member),
-            meshkit.batch_sharding(mesh),
-        )
-    return _STEPS[key]
 
 
 def layout_for(members: int, axes: str | None = None) -> ensemble.EnsembleLayout:
@@ -97,9 +52,9 @@ def host_batches(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     return [source.getitems(r) for r in rows]
 
 
-def train_ensemble(layout, batches, *, model=TINY, seed=0):
-    state = initial_state(layout, model, seed)
-    step = ensemble_step(layout)
+def train_ensemble(layout, batches, *, model=None, seed=0):
+    state = ensemble.create_ensemble_state(model or tiny_model(), TX, layout, seed=seed)
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
     metrics = []
     for batch in batches:
         state, step_metrics = step(state, meshkit.shard_batch(batch, layout.batch_sharding))
@@ -118,24 +73,24 @@ def assert_trees_close(a, b, **tolerance):
 
 def test_members_differ_after_init_and_follow_their_keys():
     layout = layout_for(4)
-    state = ensemble.create_ensemble_state(TINY, TX, layout, seed=7)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout, seed=7)
     kernels = meshkit.to_host(state.params["Conv_0"]["kernel"])
     assert kernels.shape == (4, 3, 3, 1, 4)
     for i in range(4):
         for j in range(i):
             assert not np.allclose(kernels[i], kernels[j])
-    again = ensemble.create_ensemble_state(TINY, TX, layout, seed=7)
+    again = ensemble.create_ensemble_state(tiny_model(), TX, layout, seed=7)
     np.testing.assert_array_equal(kernels, meshkit.to_host(again.params["Conv_0"]["kernel"]))
     # Member 2 is initialised from fold_in(key(7), 2), as documented.
     init_key = jax.random.split(jax.random.fold_in(jax.random.key(7), 2))[0]
-    alone = jax.jit(TINY.init)(init_key)["params"]
+    alone = jax.jit(tiny_model().init)(init_key)["params"]
     assert_trees_close(member_params(state, 2), alone, rtol=1e-6, atol=1e-7)
     assert state.params["Conv_0"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("ensemble")
 
 
 def test_the_step_keeps_shapes_dtypes_shardings_and_compiles_once():
     layout = layout_for(4)
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
 
     def contract(tree):
         return [(leaf.shape, leaf.dtype, leaf.sharding) for leaf in jax.tree.leaves(tree)]
@@ -160,14 +115,17 @@ def test_each_member_trains_as_if_alone():
     """Member i's update in the ensemble equals a plain data-parallel step on member i alone."""
     layout = layout_for(4)
     batch = host_batches(1)[0]
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     alone = [ensemble.member_state(state, i) for i in range(4)]
     sharding = meshkit.batch_sharding(layout.mesh)
-    plain = plain_step(alone[0], layout.mesh)
-    state, metrics = ensemble_step(layout)(state, meshkit.shard_batch(batch, layout.batch_sharding))
+    plain_step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(alone[0]), sharding
+    )
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
+    state, metrics = step(state, meshkit.shard_batch(batch, layout.batch_sharding))
     metrics = meshkit.to_host(metrics)
     for i in range(4):
-        updated, plain_metrics = plain(alone[i], meshkit.shard_batch(batch, sharding))
+        updated, plain_metrics = plain_step(alone[i], meshkit.shard_batch(batch, sharding))
         assert_trees_close(
             member_params(state, i), meshkit.to_host(updated.params), rtol=2e-5, atol=1e-6
         )
@@ -178,12 +136,12 @@ def test_a_diverging_member_never_touches_the_others():
     layout = layout_for(4)
     batches = host_batches(3)
     clean, _ = train_ensemble(layout, batches)
-    poisoned = initial_state(layout)
+    poisoned = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     # Member 1's kernel becomes NaN: its loss and gradients are NaN from the first step.
     poisoned = poisoned.replace(
         params=jax.tree.map(lambda p: p.at[1].set(jnp.nan), poisoned.params)
     )
-    step = ensemble_step(layout)
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
     for batch in batches:
         poisoned, metrics = step(poisoned, meshkit.shard_batch(batch, layout.batch_sharding))
         losses = ensemble.per_member(meshkit.to_host(metrics), "loss")
@@ -225,14 +183,16 @@ def test_k1_reproduces_plain_data_parallel_training():
     mesh = meshkit.make_mesh("ensemble=1,data=-1")
     layout = ensemble.EnsembleLayout(mesh, num_members=1)
     batches = host_batches(5)
-    ensemble_state = initial_state(layout)
+    ensemble_state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     plain = ensemble.member_state(ensemble_state, 0)  # the same start
     sharding = meshkit.batch_sharding(mesh)
-    plain_train_step = plain_step(plain, mesh)
-    step = ensemble_step(layout)
+    plain_step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(plain), sharding
+    )
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
     for batch in batches:
         ensemble_state, metrics = step(ensemble_state, meshkit.shard_batch(batch, sharding))
-        plain, plain_metrics = plain_train_step(plain, meshkit.shard_batch(batch, sharding))
+        plain, plain_metrics = plain_step(plain, meshkit.shard_batch(batch, sharding))
         np.testing.assert_allclose(float(metrics["loss"]), float(plain_metrics["loss"]), rtol=1e-5)
         np.testing.assert_allclose(
             float(metrics["grad_norm"]), float(plain_metrics["grad_norm"]), rtol=1e-4
@@ -289,14 +249,15 @@ def test_ensemble_metrics_equal_a_numpy_reference_from_member_outputs():
 
 def test_train_step_ensemble_metrics_equal_a_numpy_reference():
     layout = layout_for(4)
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     batch = host_batches(1)[0]
     member_logits = []
     for i in range(4):  # the members before the step, on the step's batch
         member = ensemble.member_state(state, i)
         member_logits.append(np.asarray(member.apply_fn(member.variables(), batch["image"])))
     reference = numpy_reference(member_logits, batch["label"])
-    _, metrics = ensemble_step(layout)(state, meshkit.shard_batch(batch, layout.batch_sharding))
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
+    _, metrics = step(state, meshkit.shard_batch(batch, layout.batch_sharding))
     metrics = meshkit.to_host(metrics)
     for name in ("ensemble_accuracy", "ensemble_loss", "member_3/accuracy", "member_0/loss"):
         np.testing.assert_allclose(metrics[name], reference[name], rtol=1e-5, atol=1e-6)
@@ -320,7 +281,8 @@ def test_an_extracted_member_evaluates_like_its_column_of_the_ensemble():
 
 def test_members_with_batch_norm_and_dropout_keep_their_own_statistics():
     layout = layout_for(2)
-    state, metrics = train_ensemble(layout, host_batches(8), model=TINY_NORM)
+    model = tiny_model(NormCNN())
+    state, metrics = train_ensemble(layout, host_batches(8), model=model)
     stats = meshkit.to_host(state.collections["batch_stats"]["BatchNorm_0"]["mean"])
     assert stats.shape == (2, 16) and not np.allclose(stats[0], stats[1])
     assert np.all(np.abs(stats) > 0)  # updated from their zero initialisation
@@ -329,7 +291,7 @@ def test_members_with_batch_norm_and_dropout_keep_their_own_statistics():
 
 def test_member_classification_loss_is_train_classification_loss_with_logits():
     mesh = meshkit.make_mesh("data=-1")
-    state = train.create_train_state(TINY_NORM, TX, mesh)
+    state = train.create_train_state(tiny_model(NormCNN()), TX, mesh)
     batch = {key: jnp.asarray(value) for key, value in host_batches(1)[0].items()}
     args = (state.params, state, batch, jax.random.key(3))
     member_loss, member_out = ensemble.classification_loss(*args)
@@ -348,7 +310,7 @@ def test_a_train_loss_reports_its_own_metrics_for_every_member():
         )
 
     layout = layout_for(2)
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     batch = host_batches(1)[0]
     expected = [
         train.classification_loss(m.params, m, jax.tree.map(jnp.asarray, batch), m.step_rng())[0]
@@ -381,17 +343,19 @@ def test_member_batches_give_each_member_its_own_order():
     assert local["image"].shape == (BATCH, 2, 8, 8, 1)
     assert not np.array_equal(local["label"][:, 0], local["label"][:, 1])
     assert pipeline.state_fields()["num_members"] == 2
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     alone = [ensemble.member_state(state, i) for i in range(2)]
-    step = ensemble_step(layout, member_batches=True)
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout, member_batches=True)
     with data.GlobalBatchIterator(pipeline) as batches:
         state, metrics = step(state, next(batches))
     assert "ensemble_accuracy" not in metrics  # members saw different examples
     sharding = meshkit.batch_sharding(layout.mesh)
-    plain = plain_step(alone[0], layout.mesh)
+    plain_step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(alone[0]), sharding
+    )
     for i in range(2):
         column = {key: value[:, i] for key, value in local.items()}
-        updated, _ = plain(alone[i], meshkit.shard_batch(column, sharding))
+        updated, _ = plain_step(alone[i], meshkit.shard_batch(column, sharding))
         assert_trees_close(
             member_params(state, i), meshkit.to_host(updated.params), rtol=2e-5, atol=1e-6
         )
@@ -404,7 +368,7 @@ def test_checkpoint_round_trip_restores_onto_another_layout(tmp_path):
     checkpointer.save(2, state, {"step": 2})
     checkpointer.wait()
     other = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 4)
-    target = ensemble.abstract_ensemble_state(TINY, TX, other)
+    target = ensemble.abstract_ensemble_state(tiny_model(), TX, other)
     restored, data_state = checkpointer.restore(target)
     checkpointer.close()
     assert data_state == {"step": 2}
@@ -420,7 +384,7 @@ def fit_ensemble(layout, model, step, workdir, num_steps):
         data.digits("test"), global_batch_size=64, sharding=layout.batch_sharding
     )
     return train.fit(
-        initial_state(layout, model),
+        ensemble.create_ensemble_state(model, TX, layout),
         step,
         pipeline,
         num_steps=num_steps,
@@ -433,8 +397,8 @@ def fit_ensemble(layout, model, step, workdir, num_steps):
 
 def test_fit_trains_evaluates_and_resumes_an_ensemble_exactly(tmp_path):
     layout = layout_for(2)
-    model = TINY  # one apply_fn: the states' static fields match, so no recompiles
-    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)  # counts compiles
+    model = tiny_model()  # one apply_fn: the states' static fields match, so no recompiles
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
     straight = fit_ensemble(layout, model, step, tmp_path / "straight", 10)
     assert straight.train_step_compiles == 1
     assert straight.eval_metrics["count"] == 360
@@ -497,7 +461,7 @@ def test_extra_mesh_axes_are_explained():
 
 def test_state_step_and_batch_mismatches_are_explained():
     layout = layout_for(2)
-    state = initial_state(layout)
+    state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
     with pytest.raises(ValueError, match="out of range: the ensemble has 2 members"):
         ensemble.member_state(state, 2)
     four = ensemble.EnsembleLayout(layout.mesh, 4)
@@ -505,6 +469,8 @@ def test_state_step_and_batch_mismatches_are_explained():
     batch = meshkit.shard_batch(host_batches(1)[0], layout.batch_sharding)
     with pytest.raises(ValueError, match="The state holds 2 members but the step was built for 4"):
         step(state, batch)
-    per_member = ensemble_step(layout, member_batches=True)
+    per_member = ensemble.make_ensemble_step(
+        ensemble.classification_loss, layout, member_batches=True
+    )
     with pytest.raises(ValueError, match=r"expects every batch field shaped \[rows, 2 members"):
         per_member(state, batch)

@@ -1,14 +1,7 @@
-"""The ensemble step on the train step's gradient core: micro-batches and float16 per member.
-
-The tests share what they compile where it does not depend on what they patch: the
-initial state of each model and precision (``initial_state``) and the steps without
-micro-batches (``_run``); steps with micro-batches are traced under each test's choice
-of unrolling, so each test makes its own.
-"""
+"""The ensemble step on the train step's gradient core: micro-batches and float16 per member."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -19,27 +12,13 @@ import pytest
 
 import meshkit
 from meshkit import ensemble, train
+from meshkit.models import NormCNN
 from meshkit.train import _gradients
-from tests.test_ensemble import TINY, TINY_NORM, assert_trees_close, host_batches, layout_for
+from tests.test_ensemble import assert_trees_close, host_batches, layout_for, tiny_model
 
 pytestmark = pytest.mark.devices(8)  # members on 2 devices, each member's rows on 4
 
 TX = optax.adam(1e-2)
-_INITIAL_STATES: dict[tuple, train.TrainState] = {}
-_STEPS: dict[tuple, Callable] = {}
-
-
-def initial_state(
-    layout: ensemble.EnsembleLayout, model: train.Model = TINY, precision: str | None = None
-) -> train.TrainState:
-    """``create_ensemble_state(model, TX, layout, precision=precision)``, made once (the
-    steps here do not donate: every test may use the same state)."""
-    key = (model, layout.mesh, layout.num_members, precision)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = ensemble.create_ensemble_state(
-            model, TX, layout, precision=precision
-        )
-    return _INITIAL_STATES[key]
 
 
 def _run(
@@ -52,20 +31,14 @@ def _run(
     state=None,
 ):
     if state is None:
-        state = initial_state(layout, precision=precision)
-    key = (layout.mesh, layout.num_members, strategy)
-    if microbatches > 1 or key not in _STEPS:
-        step = ensemble.make_ensemble_step(
-            ensemble.classification_loss,
-            layout,
-            microbatches=microbatches,
-            strategy=strategy,
-            donate=False,
-        )
-        if microbatches == 1:
-            _STEPS[key] = step
-    else:
-        step = _STEPS[key]
+        state = ensemble.create_ensemble_state(tiny_model(), TX, layout, precision=precision)
+    step = ensemble.make_ensemble_step(
+        ensemble.classification_loss,
+        layout,
+        microbatches=microbatches,
+        strategy=strategy,
+        donate=False,
+    )
     history = []
     for batch in batches:
         state, metrics = step(state, meshkit.shard_batch(batch, layout.batch_sharding))
@@ -95,7 +68,8 @@ def test_micro_batches_train_the_members_like_whole_batches(strategy, unrolled, 
 def test_micro_batches_carry_each_members_batch_statistics(monkeypatch):
     monkeypatch.setattr(_gradients, "unrolls_microbatches", lambda platform: False)
     layout = layout_for(2, "ensemble=2,data=4")
-    state = initial_state(layout, TINY_NORM)
+    model = tiny_model(NormCNN())
+    state = ensemble.create_ensemble_state(model, TX, layout)
     before = meshkit.to_host(state.collections["batch_stats"])
     trained, history = _run(layout, host_batches(1), microbatches=2, state=state)
     after = meshkit.to_host(trained.collections["batch_stats"])
@@ -120,7 +94,7 @@ def _with_member_scale(state: train.TrainState, member: int, scale: float) -> tr
 def test_float16_skips_an_overflowing_member_and_leaves_the_others_untouched():
     layout = layout_for(2, "ensemble=2,data=4")
     batches = host_batches(1)
-    initial = initial_state(layout, precision="f16")
+    initial = ensemble.create_ensemble_state(tiny_model(), TX, layout, precision="f16")
     assert initial.loss_scale is not None
     assert meshkit.to_host(initial.loss_scale.scale).tolist() == [2.0**15, 2.0**15]
     # Member 0's scale overflows float16 in the backward pass (2^40 > 65504); member 1's not.
@@ -148,7 +122,7 @@ def test_float16_skips_an_overflowing_member_and_leaves_the_others_untouched():
 def test_a_float16_member_steps_like_the_float16_train_step():
     layout = layout_for(2, "ensemble=2,data=4")
     batch = host_batches(1)[0]
-    initial = initial_state(layout, precision="f16")
+    initial = ensemble.create_ensemble_state(tiny_model(), TX, layout, precision="f16")
     member = ensemble.member_state(initial, 1)
     trained, history = _run(layout, [batch], state=initial)
 

@@ -21,17 +21,6 @@ pytestmark = pytest.mark.once
 BATCH = 32
 STEPS = 3
 TX = optax.sgd(0.1, momentum=0.9)
-MODEL = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
-_INITIAL_STATES: dict[tuple, train.TrainState] = {}
-
-
-def initial_state(layout: ensemble.EnsembleLayout, seed: int) -> train.TrainState:
-    """A copy of ``create_ensemble_state(MODEL, TX, layout, seed=seed)``, made once: both
-    strategies start from it (one compile of the initialisation, not one per strategy)."""
-    key = (layout.mesh, layout.num_members, seed)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = ensemble.create_ensemble_state(MODEL, TX, layout, seed=seed)
-    return jax.device_put(_INITIAL_STATES[key], may_alias=False)  # the step donates its copy
 
 
 def layout_for(members: int, axes: str | None) -> ensemble.EnsembleLayout:
@@ -50,7 +39,8 @@ def batches(members: int, member_batches: bool) -> list[dict[str, np.ndarray]]:
 
 def train_with(layout, strategy, member_batches):
     """A few steps of NormCNN (batch norm and dropout): final state and per-step metrics."""
-    state = initial_state(layout, seed=3)
+    model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = ensemble.create_ensemble_state(model, TX, layout, seed=3)
     step = ensemble.make_ensemble_step(
         ensemble.classification_loss, layout, member_batches=member_batches, strategy=strategy
     )
@@ -94,7 +84,8 @@ def test_vmap_and_loop_train_the_same_members(members, axes, member_batches):
 
 def test_vmap_and_loop_predict_and_evaluate_alike():
     layout = layout_for(8, None)
-    state = ensemble.create_ensemble_state(MODEL, TX, layout, seed=1)
+    model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = ensemble.create_ensemble_state(model, TX, layout, seed=1)
     images = data.digits("test").getitems(np.arange(BATCH))
     inputs = meshkit.shard_batch(images["image"], layout.batch_sharding)
     loop_probs, loop_logits = ensemble.make_predict(layout, "loop")(state, inputs)

@@ -1,8 +1,4 @@
-"""Full evaluation on 2 processes × 4 devices, with unequal per-process example counts.
-
-Every child function runs in one launch of the two processes (``child_checks``);
-each test checks its part of what they returned.
-"""
+"""Full evaluation on 2 processes × 4 devices, with unequal per-process example counts."""
 
 from __future__ import annotations
 
@@ -64,36 +60,16 @@ def child_pad_shard_unpad(min_batch: int | None) -> np.ndarray:
     return wrapped(jnp.float32(2.0), x)
 
 
-MIN_BATCHES = (None, 16)
-
-
-def child_checks() -> dict:
-    """Every child function above, one after the other, in the same two processes."""
-    return {
-        "full_eval": child_full_eval(),
-        "stream_eval": child_stream_eval(),
-        "pad_shard_unpad": {
-            min_batch: child_pad_shard_unpad(min_batch) for min_batch in MIN_BATCHES
-        },
-    }
-
-
-@pytest.fixture(scope="module")
-def children() -> list[dict]:
-    """What ``child_checks`` returned in each of the two processes (one launch)."""
-    return run_processes(child_checks)
-
-
-def test_full_eval_4097_on_two_processes(children):
+def test_full_eval_4097_on_two_processes():
     x = np.arange(N, dtype=np.float32) / N
-    for r in (c["full_eval"] for c in children):
+    for r in run_processes(child_full_eval):
         assert r["count"] == N and r["steps"] == 17
         np.testing.assert_allclose(r["sq"], np.mean((2 * x) ** 2), rtol=1e-5)
         np.testing.assert_array_equal(r["pred"], 2 * x)  # every example, in order
 
 
-def test_stream_eval_stops_together_with_unequal_counts(children):
-    results = [c["stream_eval"] for c in children]
+def test_stream_eval_stops_together_with_unequal_counts():
+    results = run_processes(child_stream_eval)
     # process 0 needs 40 batches of 64, process 1 needs 25: both run 40 + 1 steps
     assert [r["steps"] for r in results] == [41, 41]
     for r in results:
@@ -101,8 +77,8 @@ def test_stream_eval_stops_together_with_unequal_counts(children):
         np.testing.assert_allclose(r["x"], np.mean(np.arange(N)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("min_batch", MIN_BATCHES)
-def test_pad_shard_unpad_gives_each_process_its_rows(children, min_batch):
-    out0, out1 = (c["pad_shard_unpad"][min_batch] for c in children)
+@pytest.mark.parametrize("min_batch", [None, 16])
+def test_pad_shard_unpad_gives_each_process_its_rows(min_batch):
+    out0, out1 = run_processes(child_pad_shard_unpad, min_batch)
     np.testing.assert_array_equal(out0, 2 * np.arange(5))
     np.testing.assert_array_equal(out1, 2 * (np.arange(11) + 100))

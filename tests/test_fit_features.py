@@ -3,12 +3,10 @@ and its keywords of earlier releases."""
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import sys
 import types
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -32,31 +30,15 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
 
 
-SCHEDULE = optax.linear_schedule(0.1, 0.0, 40)
-MODEL = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
-TX = optax.sgd(SCHEDULE, momentum=0.9)
-
-
-def one_device_mesh() -> jax.sharding.Mesh:
-    return meshkit.make_mesh("data=1", devices=jax.devices()[:1])  # the features, not the mesh
-
-
-@functools.cache
-def compiled() -> tuple[train.TrainState, Callable]:
-    """The initial state and the step, made once for the file: with one model and one
-    optimizer, fit's steps and evaluations compile once for every test."""
-    mesh = one_device_mesh()
-    state = train.create_train_state(MODEL, TX, mesh)
+def run_fit(workdir, *, num_steps=20, schedule=None, eval_every=None, writers=(), **kwargs):
+    mesh = meshkit.make_mesh("data=1", devices=jax.devices()[:1])  # the features, not the mesh
     sharding = meshkit.batch_sharding(mesh)
-    return state, train.make_train_step(
+    schedule = schedule or optax.linear_schedule(0.1, 0.0, 40)
+    model = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, optax.sgd(schedule, momentum=0.9), mesh)
+    step = train.make_train_step(
         train.classification_loss, train.state_shardings_of(state), sharding
     )
-
-
-def run_fit(workdir, *, num_steps=20, eval_every=None, writers=(), **kwargs):
-    sharding = meshkit.batch_sharding(one_device_mesh())
-    initial, step = compiled()
-    state = jax.device_put(initial, may_alias=False)  # the step donates its copy
     return train.fit(
         state,
         step,
@@ -67,7 +49,7 @@ def run_fit(workdir, *, num_steps=20, eval_every=None, writers=(), **kwargs):
             data.EvalPipeline(data.digits("test"), global_batch_size=BATCH, sharding=sharding),
             every=eval_every,
         ),
-        logging=train.Logging(every=5, progress=False, writers=writers, learning_rate=SCHEDULE),
+        logging=train.Logging(every=5, progress=False, writers=writers, learning_rate=schedule),
         **kwargs,
     )
 

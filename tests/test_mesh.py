@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +164,6 @@ def _mlp_loss(x):
     return jnp.mean(out**2)
 
 
-@pytest.mark.devices(2)  # on one device the sharded run and the reference are one computation
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_flax_linen_runs_on_both_axis_types(axis_type):
     mesh = meshkit.make_mesh("data=-1", axis_types=axis_type)
@@ -183,34 +181,23 @@ def _logreg(w, x, y):
     )
 
 
-def _logreg_problem() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 5)).astype(np.float32), rng.integers(0, 3, size=64).astype(np.int32)
-
-
-def _jaxopt_solution(w0, x, y):
-    import jaxopt
-
-    return jaxopt.LBFGS(fun=_logreg, maxiter=20).run(w0, x, y).params
-
-
-@functools.cache
-def _jaxopt_on_one_device() -> np.ndarray:
-    """The unsharded reference, compiled once for both axis types."""
-    one_device = jax.devices()[0]
-    x_np, y_np = _logreg_problem()
-    w0 = jnp.zeros((5, 3))
-    placed = (jax.device_put(x_np, one_device), jax.device_put(y_np, one_device))
-    return np.asarray(jax.jit(_jaxopt_solution)(w0, *placed))
-
-
-@pytest.mark.devices(2)  # on one device the sharded run and the reference are one computation
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_jaxopt_runs_on_both_axis_types(axis_type):
+    import jaxopt
+
+    rng = np.random.default_rng(0)
+    x_np = rng.normal(size=(64, 5)).astype(np.float32)
+    y_np = rng.integers(0, 3, size=64).astype(np.int32)
     mesh = meshkit.make_mesh("data=-1", axis_types=axis_type)
-    x, y = meshkit.shard_batch(_logreg_problem(), meshkit.batch_sharding(mesh))
+    sharding = meshkit.batch_sharding(mesh)
+    x, y = meshkit.shard_batch((x_np, y_np), sharding)
+    solver = jaxopt.LBFGS(fun=_logreg, maxiter=20)
     w0 = jnp.zeros((5, 3))
     with jax.set_mesh(mesh):
-        w = jax.jit(_jaxopt_solution)(w0, x, y)
-    np.testing.assert_allclose(w, _jaxopt_on_one_device(), rtol=1e-4, atol=1e-5)
+        w = jax.jit(lambda w, x, y: solver.run(w, x, y).params)(w0, x, y)
+    one_device = jax.devices()[0]
+    reference = jax.jit(lambda w, x, y: solver.run(w, x, y).params)(
+        w0, jax.device_put(x_np, one_device), jax.device_put(y_np, one_device)
+    )
+    np.testing.assert_allclose(w, reference, rtol=1e-4, atol=1e-5)

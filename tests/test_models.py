@@ -186,7 +186,6 @@ def test_vit_dropout_only_in_training():
     assert not np.allclose(trained(0), evaluation)
 
 
-@pytest.mark.once
 def test_vit_head_starts_at_zero_and_class_token_versus_average_pool():
     images = jnp.ones((2, 8, 8, 3))
     token = init(tiny_vit(depth=1), images)["params"]
@@ -197,7 +196,6 @@ def test_vit_head_starts_at_zero_and_class_token_versus_average_pool():
     np.testing.assert_array_equal(logits, np.zeros((2, 10)))
 
 
-@pytest.mark.once
 def test_bfloat16_compute_keeps_float32_parameters():
     for module, size in ((tiny_resnet(dtype=jnp.bfloat16), 8), (tiny_vit(dtype=jnp.bfloat16), 8)):
         out, variables = jax.eval_shape(

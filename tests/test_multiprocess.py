@@ -2,9 +2,7 @@
 
 The functions at the top run inside the child processes (``run_processes`` imports
 this module there); the tests compare what they return with numpy references and
-with the same computation on 1 process × 8 devices. The checks that succeed in the
-children share one launch (``child_checks``): starting two JAX processes costs more
-than any one check.
+with the same computation on 1 process × 8 devices.
 """
 
 from __future__ import annotations
@@ -102,43 +100,8 @@ def child_replicate_host_values() -> np.ndarray:
     return meshkit.to_host(doubled)["w"]
 
 
-def child_replicas_loading_by_process_index() -> str:
-    devices = sorted(jax.devices(), key=lambda d: (d.id % 4, d.process_index))
-    mesh = meshkit.make_mesh("data=4,replica=2", devices=devices)
-    half = BATCH // 2
-    rows = slice(
-        jax.process_index() * half, (jax.process_index() + 1) * half
-    )  # the classic mistake
-    try:
-        meshkit.shard_batch(global_batch()["x"][rows], meshkit.batch_sharding(mesh))
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-def child_checks() -> dict:
-    """Every child function above, one after the other, in the same two processes.
-
-    The two that expect an error run last: were it raised on one process only, the
-    other would wait for it in the next check's collectives instead of returning.
-    """
-    return {
-        "data_axis": child_data_axis(),
-        "replica_axis": child_replica_axis(),
-        "replicate": child_replicate_host_values(),
-        "unequal_rows": child_unequal_rows(),
-        "replicas_by_process_index": child_replicas_loading_by_process_index(),
-    }
-
-
-@pytest.fixture(scope="module")
-def children() -> list[dict]:
-    """What ``child_checks`` returned in each of the two processes (one launch)."""
-    return run_processes(child_checks)
-
-
-def test_data_axis_across_two_processes_matches_numpy_and_one_process(children):
-    results = [r["data_axis"] for r in children]
+def test_data_axis_across_two_processes_matches_numpy_and_one_process():
+    results = run_processes(child_data_axis)
     batch = global_batch()
     assert [r["shard"] for r in results] == [(0, 16, 0, 2), (16, 32, 1, 2)]
     reference = numpy_regression_grad(batch)
@@ -154,9 +117,10 @@ def test_data_axis_across_two_processes_matches_numpy_and_one_process(children):
     np.testing.assert_allclose(results[0]["grad"], one_process, rtol=1e-6)
 
 
-def test_replica_axis_spanning_processes_loads_full_identical_batches(children):
+def test_replica_axis_spanning_processes_loads_full_identical_batches():
+    results = run_processes(child_replica_axis)
     batch = global_batch()
-    for r in (c["replica_axis"] for c in children):
+    for r in results:
         assert r["columns"] == {(0, 1)}
         assert r["shard"] == (0, BATCH, 0, 1)
         assert r["shape"] == (BATCH, FEATURES)  # not a silently halved batch
@@ -164,13 +128,14 @@ def test_replica_axis_spanning_processes_loads_full_identical_batches(children):
         np.testing.assert_allclose(r["grad"], numpy_regression_grad(batch), rtol=1e-5)
 
 
-def test_unequal_rows_raise_the_same_clear_error_everywhere(children):
-    for message in (c["unequal_rows"] for c in children):
+def test_unequal_rows_raise_the_same_clear_error_everywhere():
+    messages = run_processes(child_unequal_rows)
+    for message in messages:
         assert "different numbers of rows" in message and "{0: 8, 1: 12}" in message
 
 
-def test_replicate_host_values_without_cross_process_transfer(children):
-    for result in (c["replicate"] for c in children):
+def test_replicate_host_values_without_cross_process_transfer():
+    for result in run_processes(child_replicate_host_values):
         np.testing.assert_array_equal(result, 2 * np.arange(4.0))
 
 
@@ -195,7 +160,21 @@ def test_run_processes_rejects_lambdas():
         run_processes(lambda: None)
 
 
-def test_replicas_that_load_different_rows_are_caught(children):
-    for message in (c["replicas_by_process_index"] for c in children):
+def child_replicas_loading_by_process_index() -> str:
+    devices = sorted(jax.devices(), key=lambda d: (d.id % 4, d.process_index))
+    mesh = meshkit.make_mesh("data=4,replica=2", devices=devices)
+    half = BATCH // 2
+    rows = slice(
+        jax.process_index() * half, (jax.process_index() + 1) * half
+    )  # the classic mistake
+    try:
+        meshkit.shard_batch(global_batch()["x"][rows], meshkit.batch_sharding(mesh))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_replicas_that_load_different_rows_are_caught():
+    for message in run_processes(child_replicas_loading_by_process_index):
         assert "Processes [0, 1] hold replicas of the same rows" in message
         assert "not with jax.process_index()" in message

@@ -1,14 +1,6 @@
-"""Mixed precision and gradient accumulation in the train step.
-
-Compiling is most of each test's time, so ``build`` shares what the tests compile: the
-initial state of each model, learning rate and precision (one ``create_train_state``,
-a copy for each use, as the step donates its input) and the step of each of those
-with each number of micro-batches.
-"""
+"""Mixed precision and gradient accumulation in the train step."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -47,40 +39,24 @@ class MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
-MODELS = {
-    name: train.linen_model(module, jnp.zeros((1, 8, 8, 1)))
-    for name, module in (("mlp", MLP()), ("norm_mlp", NormMLP()), ("norm_cnn", NormCNN()))
-}
-OPTIMIZERS = {rate: optax.sgd(rate, momentum=0.9) for rate in (0.1, 0.05)}
-_INITIAL_STATES: dict[tuple, train.TrainState] = {}
-_STEPS: dict[tuple, Any] = {}
-
-
 def build(
     mesh,
     *,
     precision: str | train.Precision = "f32",
     microbatches=1,
-    model="mlp",
+    module=None,
     learning_rate=0.1,
 ):
-    """The initial state of ``MODELS[model]`` (a copy), its step and the digits pipeline."""
     sharding = meshkit.batch_sharding(mesh)
-    key = (mesh, model, learning_rate, precision)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = train.create_train_state(
-            MODELS[model], OPTIMIZERS[learning_rate], mesh, precision=precision
-        )
-    state = jax.device_put(_INITIAL_STATES[key], may_alias=False)  # the step donates its copy
-    step_key = (*key, microbatches)
-    if step_key not in _STEPS:
-        _STEPS[step_key] = train.make_train_step(
-            train.classification_loss,
-            train.state_shardings_of(state),
-            sharding,
-            microbatches=microbatches,
-        )
-    step = _STEPS[step_key]
+    model = train.linen_model(module or MLP(), jnp.zeros((1, 8, 8, 1)))
+    tx = optax.sgd(learning_rate, momentum=0.9)
+    state = train.create_train_state(model, tx, mesh, precision=precision)
+    step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(state),
+        sharding,
+        microbatches=microbatches,
+    )
     pipeline = data.TrainPipeline(data.digits("train"), global_batch_size=BATCH, sharding=sharding)
     return state, step, pipeline
 
@@ -114,7 +90,7 @@ def test_four_micro_batches_equal_one_step_on_the_whole_batch():
 def test_micro_batches_as_one_loop_and_unrolled_give_the_same_step():
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
-    state, _, pipeline = build(mesh, model="norm_mlp", learning_rate=0.05)
+    state, _, pipeline = build(mesh, module=NormMLP(), learning_rate=0.05)
     with data.GlobalBatchIterator(pipeline) as batches:
         batch = next(batches)
     results = []
@@ -140,7 +116,7 @@ def test_micro_batches_as_one_loop_and_unrolled_give_the_same_step():
 
 def test_micro_batches_carry_batch_statistics_from_one_to_the_next():
     mesh = meshkit.make_mesh("data=-1")
-    state, history = run(mesh, 2, microbatches=2, model="norm_cnn", learning_rate=0.05)
+    state, history = run(mesh, 2, microbatches=2, module=NormCNN(), learning_rate=0.05)
     stats = meshkit.to_host(state.collections["batch_stats"]["BatchNorm_0"])
     assert stats["mean"].dtype == np.float32 and np.abs(stats["mean"]).max() > 0
     assert all(np.isfinite(m["loss"]) for m in history)

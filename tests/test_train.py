@@ -1,17 +1,8 @@
-"""meshkit.train in one process: state, step, fit, checkpoints, FSDP, NNX, NaN handling.
-
-Compiling is most of each test's time, so the tests share what they compile: the
-initial NormCNN state of each mesh (``initial_state``: one ``create_train_state``, a
-copy for each test, as the step donates its input) and the train step of each loss and
-mesh (``shared_step``). Every state comes from the same model and optimizer objects, so
-the states of one layout have equal static fields and one compiled step serves them
-all. A test that counts compiles builds its own step.
-"""
+"""meshkit.train in one process: state, step, fit, checkpoints, FSDP, NNX, NaN handling."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,59 +15,26 @@ from meshkit import data, train
 from meshkit.models import NormCNN
 
 BATCH = 64
-MODEL = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
-TX = optax.sgd(0.05, momentum=0.9)
-_INITIAL_STATES: dict[tuple[jax.sharding.Mesh, int], train.TrainState] = {}
-_SHARED_STEPS: dict[tuple[object, jax.sharding.Mesh], Callable] = {}
 
 
-def initial_state(mesh, seed=0) -> train.TrainState:
-    """A copy of ``create_train_state(MODEL, TX, mesh, seed=seed)``, made once per mesh."""
-    key = (mesh, seed)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = train.create_train_state(MODEL, TX, mesh, seed=seed)
-    return jax.device_put(_INITIAL_STATES[key], may_alias=False)  # the step donates its copy
-
-
-def shared_step(loss_fn, state, mesh) -> Callable:
-    """The step of ``loss_fn`` for states laid out like ``state`` on ``mesh``, made once."""
-    key = (loss_fn, mesh)
-    if key not in _SHARED_STEPS:
-        _SHARED_STEPS[key] = train.make_train_step(
-            loss_fn, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
-        )
-    return _SHARED_STEPS[key]
-
-
-def setup(mesh, *, rules=None, model=None, seed=0, own_step=False):
-    """NormCNN (batch norm + dropout) on the 8×8 digits: the train state of seed 003.
-
-    NormCNN without rules starts from the shared initial state and, unless
-    ``own_step``, trains with the shared step; another model or rules get a state and
-    a step of their own.
-    """
+def setup(mesh, *, rules=None, model=None, seed=0):
+    """NormCNN (batch norm + dropout) on the 8×8 digits: the train state of seed 003."""
     sharding = meshkit.batch_sharding(mesh)
     pipeline = data.TrainPipeline(
         data.digits("train"), global_batch_size=BATCH, sharding=sharding, seed=seed
     )
-    if model is None and rules is None:
-        state = initial_state(mesh, seed)
-    else:
-        state = train.create_train_state(model or MODEL, TX, mesh, rules=rules, seed=seed)
-    if model is None and rules is None and not own_step:
-        step = shared_step(train.classification_loss, state, mesh)
-    else:
-        step = train.make_train_step(
-            train.classification_loss, train.state_shardings_of(state), sharding
-        )
+    model = model or train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(
+        model, optax.sgd(0.05, momentum=0.9), mesh, rules=rules, seed=seed
+    )
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
     return state, step, pipeline
 
 
 def run_steps(mesh, steps, **kwargs):
-    return train_steps(*setup(mesh, **kwargs), steps)
-
-
-def train_steps(state, step, pipeline, steps):
+    state, step, pipeline = setup(mesh, **kwargs)
     losses = []
     with data.GlobalBatchIterator(pipeline) as batches:
         for _ in range(steps):
@@ -86,9 +44,10 @@ def train_steps(state, step, pipeline, steps):
 
 
 def test_loss_decreases_and_batch_stats_update():
-    state, step, pipeline = setup(meshkit.make_mesh("data=-1"))
-    initial_stats = meshkit.to_host(state.collections["batch_stats"])
-    state, losses = train_steps(state, step, pipeline, 40)
+    mesh = meshkit.make_mesh("data=-1")
+    initial, _, _ = setup(mesh)
+    initial_stats = meshkit.to_host(initial.collections["batch_stats"])
+    state, losses = run_steps(mesh, 40)
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
     stats = meshkit.to_host(state.collections["batch_stats"])
     assert not np.allclose(stats["BatchNorm_0"]["mean"], initial_stats["BatchNorm_0"]["mean"])
@@ -152,9 +111,10 @@ def test_nnx_model_trains_through_the_same_api():
             h = nnx.relu(self.norm(self.hidden(x.reshape(x.shape[0], -1))))
             return self.out(self.dropout(h))
 
-    state, step, pipeline = setup(meshkit.make_mesh("data=-1"), model=train.nnx_model(MLP))
-    initial = meshkit.to_host(state.collections)
-    state, losses = train_steps(state, step, pipeline, 30)
+    mesh = meshkit.make_mesh("data=-1")
+    model = train.nnx_model(MLP)
+    initial = meshkit.to_host(setup(mesh, model=model)[0].collections)
+    state, losses = run_steps(mesh, 30, model=model)
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
     assert state.params["hidden"]["kernel"].get_value().shape == (64, 32)
     final = meshkit.to_host(state.collections)
@@ -166,16 +126,9 @@ def test_nnx_model_trains_through_the_same_api():
 
 
 def fit(
-    mesh,
-    workdir,
-    num_steps,
-    eval_every=None,
-    per_example_fn=train.classification_metrics,
-    *,
-    own_step=False,
-    **kwargs,
+    mesh, workdir, num_steps, eval_every=None, per_example_fn=train.classification_metrics, **kwargs
 ):
-    state, step, pipeline = setup(mesh, own_step=own_step)
+    state, step, pipeline = setup(mesh)
     evaluation = data.EvalPipeline(
         data.digits("test"), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
     )
@@ -193,7 +146,7 @@ def fit(
 
 
 def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
-    result = fit(meshkit.make_mesh("data=-1"), tmp_path, 25, eval_every=20, own_step=True)
+    result = fit(meshkit.make_mesh("data=-1"), tmp_path, 25, eval_every=20)
     assert result.step == 25 and not result.preempted and result.resumed_from is None
     assert result.train_step_compiles == 1
     assert result.eval_metrics["count"] == 360 and result.eval_metrics["accuracy"] > 0.5
@@ -257,27 +210,23 @@ def test_fit_refuses_a_batch_level_eval_value(tmp_path):
         )  # fmt: skip
 
 
-def nan_from_step_15(params, state, batch, rng):
-    """``classification_loss``, NaN from the 15th step on (``state.step`` counts from 0)."""
-    loss, out = train.classification_loss(params, state, batch, rng)
-    return jnp.where(state.step >= 14, jnp.nan, loss), out
+def poisoned_setup(bad):
+    """``setup`` with a loss that is NaN at the steps where ``bad(state.step)`` holds."""
 
+    def poisoned(params, state, batch, rng):
+        loss, out = train.classification_loss(params, state, batch, rng)
+        return jnp.where(bad(state.step), jnp.nan, loss), out
 
-def nan_at_step_15(params, state, batch, rng):
-    """``classification_loss``, NaN at the 15th step only."""
-    loss, out = train.classification_loss(params, state, batch, rng)
-    return jnp.where(state.step == 14, jnp.nan, loss), out
-
-
-def poisoned_setup(poisoned):
-    """``setup`` with the loss ``poisoned``, which is NaN at some steps."""
     mesh = meshkit.make_mesh("data=-1")
     state, _, pipeline = setup(mesh)
-    return state, shared_step(poisoned, state, mesh), pipeline
+    step = train.make_train_step(
+        poisoned, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
+    )
+    return state, step, pipeline
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    state, step, pipeline = poisoned_setup(nan_from_step_15)
+    state, step, pipeline = poisoned_setup(lambda step: step >= 14)  # step 15 on
     with pytest.raises(train.NonFiniteLossError) as info:
         train.fit(
             state,
@@ -314,7 +263,7 @@ def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
 
 def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
-    state, step, pipeline = setup(mesh, own_step=True)
+    state, step, pipeline = setup(mesh)
     quiet = train.Logging(progress=False)
     first = train.fit(state, step, pipeline, num_steps=5, workdir=tmp_path, logging=quiet)
     resumed = train.fit(first.state, step, pipeline, num_steps=10, workdir=tmp_path, logging=quiet)
@@ -326,7 +275,7 @@ def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
 def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, checkpoint_every):
     """Step 15 goes bad inside the interval 11-20: found before any later save."""
 
-    state, step, pipeline = poisoned_setup(nan_at_step_15)
+    state, step, pipeline = poisoned_setup(lambda step: step == 14)  # the 15th step only
     with pytest.raises(train.NonFiniteLossError, match="at step 15") as info:
         train.fit(
             state,
