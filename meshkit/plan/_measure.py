@@ -97,6 +97,14 @@ class Measurement:
     compile_seconds: float
     compiler: str
 
+    def traffic_bytes(self, *, across_slices: bool | None = None) -> float:
+        """Bytes one device sends per step in collectives (all, within, or across slices)."""
+        return sum(
+            c.traffic_bytes * c.count
+            for c in self.collectives
+            if across_slices is None or c.across_slices == across_slices
+        )
+
 
 def shard_bytes(tree: Any) -> int:
     """Bytes the largest device holds of ``tree``'s ``ShapeDtypeStruct``s with shardings."""

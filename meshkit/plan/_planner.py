@@ -58,11 +58,7 @@ class LayoutReport:
 
     def collective_bytes(self, *, across_slices: bool | None = None) -> float:
         """Bytes one device sends per step in collectives (all, within, or across slices)."""
-        return sum(
-            c.traffic_bytes * c.count
-            for c in self.measurement.collectives
-            if across_slices is None or c.across_slices == across_slices
-        )
+        return self.measurement.traffic_bytes(across_slices=across_slices)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON values; byte counts are per device."""
@@ -113,8 +109,8 @@ def memory_traffic(measurement: Measurement) -> float:
 def estimate(measurement: Measurement, target: Target, model_flops: float) -> LayoutReport:
     """The roofline estimate of one measured layout on the target's chips."""
     chip = target.chip
-    ici = sum(c.traffic_bytes * c.count for c in measurement.collectives if not c.across_slices)
-    dcn = sum(c.traffic_bytes * c.count for c in measurement.collectives if c.across_slices)
+    ici = measurement.traffic_bytes(across_slices=False)
+    dcn = measurement.traffic_bytes(across_slices=True)
     terms = {
         "compute": measurement.flops / chip.peak_flops,
         "memory": memory_traffic(measurement) / chip.hbm_bytes_per_second,
