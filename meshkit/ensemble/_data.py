@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,9 @@ class MemberTrainPipeline(TrainPipeline):
       num_epochs: stop after this many epochs; ``None`` repeats forever.
       num_threads: threads building batches ahead of time (see ``TrainPipeline``).
       prefetch: batches built ahead of time.
+      member_seeds: each member's shuffle seed, so member ``i`` reads the data in the
+        order ``TrainPipeline(seed=member_seeds[i])`` does (a sweep's ``data_seed``);
+        ``None``: ``member_seed(seed, i)``.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -71,8 +75,17 @@ class MemberTrainPipeline(TrainPipeline):
         num_epochs: int | None = None,
         num_threads: int | None = None,
         prefetch: int = 4,
+        member_seeds: Sequence[int] | None = None,
     ):
         check_int(num_members, name="num_members", minimum=1)
+        if member_seeds is None:
+            member_seeds = [member_seed(seed, index) for index in range(num_members)]
+        member_seeds = [check_int(s, name="member_seeds entry", minimum=0) for s in member_seeds]
+        if len(member_seeds) != num_members:
+            raise ValueError(
+                f"member_seeds has {len(member_seeds)} seeds for {num_members} members: "
+                "give one per member, or None for seeds drawn from seed."
+            )
         super().__init__(
             source,
             global_batch_size=global_batch_size,
@@ -89,13 +102,14 @@ class MemberTrainPipeline(TrainPipeline):
                 source,
                 global_batch_size=global_batch_size,
                 sharding=sharding,
-                seed=member_seed(seed, index),
+                seed=member_seeds[index],
                 transform=transform,
                 num_epochs=num_epochs,
                 num_threads=0,  # the members' batches are built by this pipeline's threads
             )
             for index in range(num_members)
         )
+        self.member_seeds = tuple(member_seeds)
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``: fields ``[rows, K, ...]``."""

@@ -79,6 +79,7 @@ def fit(
     logging: Logging | None = None,
     dispatch: Dispatch | None = None,
     hooks: Sequence[Hook] = (),
+    start_step: int = 0,
     **deprecated: Any,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
@@ -121,6 +122,9 @@ def fit(
         (``default_max_in_flight(mesh)`` steps, no profile).
       hooks: called at log, evaluation and checkpoint boundaries with a ``Boundary``;
         one returning ``True`` stops the run after saving (``EarlyStopping``).
+      start_step: where a run with no checkpoint in ``workdir`` starts: the pipeline's
+        batch and the step count of ``state``, which has already trained this many
+        steps (a later stage of ``meshkit.sweep.run_sweep``). A checkpoint overrides it.
       **deprecated: the keywords of earlier releases (``eval_pipeline``,
         ``eval_every``, ``per_example_fn``, ``checkpoint_every``, ``keep_checkpoints``,
         ``checkpoint_dir``, ``log_every``, ``progress``, ``writers``,
@@ -164,6 +168,10 @@ def fit(
     )
     del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
     _check_steps(num_steps, pipeline)
+    if not 0 <= start_step <= num_steps:
+        raise ValueError(
+            f"start_step must be between 0 and num_steps={num_steps}, got {start_step!r}."
+        )
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = settings.dispatch.window(mesh)
@@ -172,6 +180,8 @@ def fit(
     checkpointer = settings.checkpoints.checkpointer(workdir)
     resumed = checkpointer.resume(state)  # the newest intact checkpoint
     data_state = None if resumed is None else resumed.data
+    if data_state is None and start_step:
+        data_state = {"step": start_step, **pipeline.state_fields()}
     state = state if resumed is None else resumed.state
     start = 0 if data_state is None else int(data_state["step"])
     records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)

@@ -1,0 +1,294 @@
+"""What a sweep found: its trials, ranked, the winner's state, a table and a plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from meshkit._paths import PathLike, as_path, write_text_atomically
+from meshkit.ensemble import member_state
+from meshkit.sweep._schedules import Mode
+from meshkit.sweep._space import Point
+from meshkit.train import TrainState
+
+
+@dataclasses.dataclass
+class Trial:
+    """One point trained in one slot, from ``start`` to ``end``.
+
+    Attributes:
+      id: the trial's number (the first K are the sweep's points, in order).
+      slot: the member slot it trained in.
+      point: its hyperparameters.
+      parent: the trial it copied its state from (population-based training), or ``None``.
+      start: the step it began at.
+      end: the step it ended at, or ``None`` while it trains.
+      status: ``"training"``, ``"finished"``, ``"stopped"`` (halving froze it) or
+        ``"replaced"`` (its slot went to another trial).
+      history: its score at each evaluation, ``(step, score)`` (a copy inherits its
+        parent's).
+      metrics: its member metrics at its last evaluation.
+    """
+
+    id: int
+    slot: int
+    point: Point
+    parent: int | None
+    start: int
+    end: int | None = None
+    status: str = "training"
+    history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def record(self, step: int, score: float, metrics: dict[str, float]) -> None:
+        self.history.append((step, score))
+        self.metrics = metrics
+
+    def score(self) -> float:
+        return self.history[-1][1] if self.history else math.nan
+
+    def finish(self, step: int) -> None:
+        self.end, self.status = step, "finished"
+
+    def stop(self, step: int) -> None:
+        self.end, self.status = step, "stopped"
+
+    def replace(self, step: int) -> None:
+        self.end, self.status = step, "replaced"
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """A finished (or interrupted) sweep.
+
+    Attributes:
+      trials: every trial, in the order they began.
+      slots: the trial each member slot holds at the end.
+      state: the ensemble state at the end (every slot's member).
+      metric, mode: the score and its direction.
+      step: the step the sweep reached.
+      workdir: where its stages and files are.
+      train_step_compiles: compilations of the train step over all stages.
+      interrupted: a preemption or hook stopped it before ``num_steps``.
+      wall_seconds: the time ``run_sweep`` took.
+    """
+
+    trials: list[Trial]
+    slots: list[int]
+    state: TrainState
+    metric: str
+    mode: Mode
+    step: int
+    workdir: Any
+    train_step_compiles: int
+    interrupted: bool = False
+    wall_seconds: float = 0.0
+
+    def ranked(self) -> list[Trial]:
+        """Trials best first: finished ones by score, then the others by score."""
+        sign = -1.0 if self.mode == "max" else 1.0
+
+        def key(trial: Trial) -> tuple[int, float, int]:
+            score = trial.score()
+            return (
+                trial.status != "finished",
+                math.inf if math.isnan(score) else sign * score,
+                trial.id,
+            )
+
+        return sorted(self.trials, key=key)
+
+    @property
+    def best(self) -> Trial:
+        """The finished trial with the best score."""
+        ranked = self.ranked()
+        if not ranked or ranked[0].status != "finished":
+            raise ValueError(
+                "The sweep has no finished trial (it was interrupted): rerun run_sweep with "
+                "the same workdir to resume it."
+            )
+        return ranked[0]
+
+    def best_state(self) -> TrainState:
+        """The winner as an ordinary ``TrainState`` (no member axis), replicated on the mesh.
+
+        It works with ``meshkit.train.make_train_step`` and ``fit``, ``full_eval`` and
+        ``meshkit.to_host``; every process must call it.
+        """
+        return member_state(self.state, self.best.slot)
+
+    def save_best(self, directory: PathLike | None = None) -> Any:
+        """Saves the winner as a ``meshkit.train`` checkpoint with its hyperparameters.
+
+        Writes a checkpoint of ``best_state()`` at the sweep's step (restore it with
+        ``Checkpointer(directory, save_every=1).restore(target)``) and
+        ``hyperparameters.json``; ``directory`` defaults to ``workdir/best``. Returns it.
+        """
+        from meshkit.train import Checkpointer
+
+        target = as_path(directory if directory is not None else self.workdir / "best")
+        state = self.best_state()
+        checkpointer = Checkpointer(target, save_every=1, keep=1)
+        try:
+            checkpointer.save(self.step, state, {"step": self.step}, force=True)
+            checkpointer.wait()
+        finally:
+            checkpointer.close()
+        if jax.process_index() == 0:
+            record = {"trial": self.best.id, "metric": self.metric, "score": self.best.score()}
+            record["hyperparameters"] = self.best.point
+            write_text_atomically(
+                target / "hyperparameters.json", json.dumps(record, indent=1) + "\n"
+            )
+        return target
+
+    def to_json(self) -> dict[str, Any]:
+        """The sweep as plain JSON values: trials best first, with their scores and lineage."""
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "step": self.step,
+            "train_step_compiles": self.train_step_compiles,
+            "interrupted": self.interrupted,
+            "trials": [
+                {
+                    "trial": t.id,
+                    "slot": t.slot,
+                    "status": t.status,
+                    "score": t.score(),
+                    "hyperparameters": t.point,
+                    "parent": t.parent,
+                    "start": t.start,
+                    "end": t.end,
+                    "metrics": t.metrics,
+                    "history": [list(h) for h in t.history],
+                }
+                for t in self.ranked()
+            ],
+        }
+
+    def write_json(self, path: PathLike) -> None:
+        """Writes ``to_json()`` to ``path``."""
+        write_text_atomically(as_path(path), json.dumps(self.to_json(), indent=1) + "\n")
+
+    def table(self, limit: int | None = None) -> str:
+        """A text table of the trials, best first.
+
+        Examples:
+            >>>             >>> trials = [Trial(0, 0, {"learning_rate": 0.1}, None, 0),
+            ...           Trial(1, 1, {"learning_rate": 0.01}, None, 0)]
+            >>> trials[0].record(10, 0.5, {}); trials[0].finish(10)
+            >>> trials[1].record(10, 0.9, {}); trials[1].finish(10)
+            >>> result = SweepResult(trials=trials, slots=[0, 1], state=None, metric="accuracy",
+            ...                      mode="max", step=10, workdir=".", train_step_compiles=1)
+            >>> print(result.table())
+            rank  trial  slot  status    accuracy  learning_rate
+               1      1     1  finished    0.9000           0.01
+               2      0     0  finished    0.5000            0.1
+        """
+        rows = self.ranked()[:limit]
+        names = list(rows[0].point) if rows else []
+        header = ["rank", "trial", "slot", "status", self.metric, *names]
+        body = [
+            [
+                str(rank),
+                str(t.id),
+                str(t.slot),
+                t.status,
+                f"{t.score():.4f}",
+                *(f"{t.point[n]:.4g}" for n in names),
+            ]
+            for rank, t in enumerate(rows, 1)
+        ]
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+        lines = []
+        for row in [header, *body]:
+            cells = [
+                cell.ljust(width) if i == 3 else cell.rjust(width)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+            ]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+    def curves(self) -> dict[int, list[tuple[int, float]]]:
+        """Each slot's training loss over the steps, read from the stages' ``metrics.jsonl``."""
+        curves: dict[int, list[tuple[int, float]]] = {slot: [] for slot in range(len(self.slots))}
+        for stage in sorted(as_path(self.workdir).glob("stage_*"), key=_stage_number):
+            path = stage / "metrics.jsonl"
+            if not path.exists():
+                continue
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                for slot, curve in curves.items():
+                    value = record.get(f"member_{slot}/loss")
+                    if value is not None:
+                        curve.append((int(record["step"]), float(value)))
+        return curves
+
+    def plot(self, path: PathLike) -> None:
+        """A PNG: each slot's training loss, and each trial's score at the evaluations.
+
+        The winner is drawn thick and coloured, the others thin and grey; a trial that
+        copied another (population-based training) starts from its parent's point.
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        best = self.best
+        figure, (loss_axes, score_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for slot, points in self.curves().items():
+            if points:
+                steps, values = zip(*points, strict=True)
+                winner = slot == best.slot
+                loss_axes.plot(
+                    steps,
+                    values,
+                    color="tab:red" if winner else "0.6",
+                    linewidth=2.2 if winner else 0.8,
+                    zorder=3 if winner else 1,
+                    label=f"slot {slot} (winner)" if winner else None,
+                )
+        loss_axes.set(xlabel="step", ylabel="training loss", title="Members' training loss")
+        loss_axes.set_yscale("log")
+        for trial in self.trials:
+            if trial.history:
+                steps, values = zip(*trial.history, strict=True)
+                winner = trial.id == best.id
+                score_axes.plot(
+                    steps,
+                    values,
+                    marker="o",
+                    markersize=3,
+                    color="tab:red" if winner else "0.6",
+                    linewidth=2.2 if winner else 0.8,
+                    zorder=3 if winner else 1,
+                )
+        hyper = ", ".join(f"{k}={v:.3g}" for k, v in best.point.items())
+        score_axes.set(
+            xlabel="step", ylabel=self.metric, title=f"Evaluation {self.metric}; winner: {hyper}"
+        )
+        score_axes.title.set_fontsize(9)
+        if loss_axes.get_legend_handles_labels()[0]:
+            loss_axes.legend(loc="upper right")
+        figure.tight_layout()
+        target = as_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("wb") as file:
+            figure.savefig(file, format="png", dpi=110)
+        plt.close(figure)
+
+    def hyperparameters(self, slots: Sequence[int] | None = None) -> list[Point]:
+        """The point each slot holds at the end."""
+        chosen = range(len(self.slots)) if slots is None else slots
+        return [self.trials[self.slots[s]].point for s in chosen]
+
+
+def _stage_number(path: Any) -> int:
+    return int(str(path.name).split("_")[1])

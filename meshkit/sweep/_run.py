@@ -1,0 +1,367 @@
+"""``run_sweep``: K settings trained as one program, in stages split by halving or PBT decisions."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from meshkit._paths import PathLike, as_path, write_text_atomically
+from meshkit._types import PerExampleFn
+from meshkit.data import EvalPipeline, TrainPipeline
+from meshkit.ensemble import (
+    EnsembleLayout,
+    MemberLossFn,
+    MemberTrainPipeline,
+    ensemble_metrics,
+    make_ensemble_step,
+    per_member,
+)
+from meshkit.ensemble._strategy import MemberStrategy
+from meshkit.evaluate import full_eval
+from meshkit.sweep._results import SweepResult, Trial
+from meshkit.sweep._schedules import (
+    Decision,
+    Mode,
+    PopulationBasedTraining,
+    Schedule,
+    SuccessiveHalving,
+    halving_decision,
+    pbt_decision,
+)
+from meshkit.sweep._space import Point, Space, Value, check_points
+from meshkit.sweep._state import (
+    create_sweep_state,
+    init_keys,
+    init_members,
+    split_names,
+    value_arrays,
+)
+from meshkit.sweep._values import set_hyperparameters
+from meshkit.train import Checkpoints, Evaluation, Logging, Model, Precision, TrainState, fit
+
+
+@functools.lru_cache(maxsize=16)
+def _reassign(model: Model, layout: EnsembleLayout) -> Callable[..., TrainState]:
+    """The jitted stage transition: each slot continues from ``source``, or starts afresh."""
+
+    def reassign(state: TrainState, moves: Mapping[str, Any]) -> TrainState:
+        source, refresh, active = moves["source"], moves["refresh"], moves["active"]
+        seeds, values = moves["seeds"], moves["values"]
+        taken = jax.tree.map(lambda leaf: jnp.take(leaf, source, axis=0), state)
+        taken = taken.replace(rng=state.rng)  # a copy keeps its own dropout key
+        fresh = init_members(model, state.tx, seeds, state.precision)
+
+        def pick(new: jax.Array, kept: jax.Array) -> jax.Array:
+            return jnp.where(refresh.reshape(refresh.shape + (1,) * (kept.ndim - 1)), new, kept)
+
+        chosen = jax.tree.map(pick, fresh, taken)
+        return chosen.replace(opt_state=set_hyperparameters(chosen.opt_state, values, active))
+
+    return jax.jit(reassign, out_shardings=layout.state_sharding, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=16)
+def _step(
+    loss_fn: MemberLossFn,
+    layout: EnsembleLayout,
+    member_batches: bool,
+    microbatches: int,
+    strategy: MemberStrategy,
+) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
+    return make_ensemble_step(
+        loss_fn,
+        layout,
+        member_batches=member_batches,
+        microbatches=microbatches,
+        strategy=strategy,
+    )
+
+
+def sweep_pipeline(
+    source: Any,
+    points: Sequence[Mapping[str, Value]],
+    layout: EnsembleLayout,
+    *,
+    global_batch_size: int,
+    seed: int = 0,
+    **options: Any,
+) -> TrainPipeline:
+    """The training pipeline a sweep of ``points`` needs.
+
+    With ``data_seed`` among the points' names, a ``MemberTrainPipeline`` in which
+    member ``k`` reads the data in the order ``TrainPipeline(seed=data_seed_k)`` would;
+    otherwise one ``TrainPipeline(seed=seed)`` shared by every member. ``options``
+    (``transform``, ``num_threads``...) go to the pipeline.
+    """
+    checked = check_points(points)
+    common = {"global_batch_size": global_batch_size, "sharding": layout.batch_sharding}
+    if "data_seed" in checked[0]:
+        seeds = [int(p["data_seed"]) for p in checked]
+        return MemberTrainPipeline(source, len(checked), member_seeds=seeds, **common, **options)
+    return TrainPipeline(source, seed=seed, **common, **options)
+
+
+def _check_pipeline(pipeline: TrainPipeline, points: Sequence[Point]) -> None:
+    if "data_seed" not in points[0]:
+        return
+    seeds = [int(p["data_seed"]) for p in points]
+    held = getattr(pipeline, "member_seeds", None)
+    if not isinstance(pipeline, MemberTrainPipeline) or list(held or ()) != seeds:
+        raise ValueError(
+            f"The points set data_seed {seeds}, but the pipeline gives the members "
+            f"{'one shared order' if held is None else f'the orders of seeds {list(held)}'}. "
+            "Build it with meshkit.sweep.sweep_pipeline(source, points, layout, ...)."
+        )
+
+
+def _record(
+    workdir: Any,
+    *,
+    points: Sequence[Point],
+    schedule: Schedule | None,
+    metric: str,
+    mode: str,
+    seed: int,
+) -> None:
+    """Writes ``sweep.json`` (what the sweep was started with), or checks a resumed one."""
+    spec = {
+        "points": [dict(p) for p in points],
+        "schedule": None if schedule is None else repr(schedule),
+        "metric": metric,
+        "mode": mode,
+        "seed": seed,
+    }
+    path = workdir / "sweep.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        differ = [key for key in spec if saved.get(key) != json.loads(json.dumps(spec[key]))]
+        if differ:
+            raise ValueError(
+                f"{path} holds a sweep with other {differ}: saved "
+                f"{ {key: saved.get(key) for key in differ} }, now "
+                f"{ {key: spec[key] for key in differ} }. Resume with the saved settings, or "
+                "start the new sweep in a new workdir."
+            )
+    elif jax.process_index() == 0:
+        write_text_atomically(path, json.dumps(spec, indent=1) + "\n")
+
+
+def run_sweep(
+    model: Model,
+    tx: optax.GradientTransformation,
+    loss_fn: MemberLossFn,
+    layout: EnsembleLayout,
+    points: Sequence[Mapping[str, Value]],
+    *,
+    pipeline: TrainPipeline,
+    eval_pipeline: EvalPipeline,
+    num_steps: int,
+    workdir: PathLike,
+    metric: str = "accuracy",
+    mode: Mode = "max",
+    per_example_fn: PerExampleFn | None = None,
+    schedule: Schedule | None = None,
+    space: Space | None = None,
+    loss_values: Sequence[str] = (),
+    seed: int = 0,
+    precision: Precision | str | None = None,
+    microbatches: int = 1,
+    strategy: MemberStrategy = "auto",
+    eval_every: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    logging: Logging | None = None,
+) -> SweepResult:
+    """Trains K hyperparameter settings at once, one per member of the ensemble axis.
+
+    The K members (``create_sweep_state``) train in one jitted step
+    (``make_ensemble_step``), each with its own hyperparameters, data-parallel over the
+    layout's data axis. With a ``schedule``, training runs in stages: at each stage's
+    end every member is evaluated on ``eval_pipeline`` and ``SuccessiveHalving`` or
+    ``PopulationBasedTraining`` decides which members stop, restart or copy others;
+    the step never recompiles. Each stage is a ``fit`` run in ``workdir/stage_<i>``
+    (its checkpoints, ``metrics.jsonl`` and writers); a killed sweep rerun with the
+    same arguments resumes and makes the same decisions, ending with the same table.
+
+    Args:
+      model, tx: the model and the optimizer; sweep optimizer hyperparameters by
+        wrapping it in ``optax.inject_hyperparams``.
+      loss_fn: one member's loss (``meshkit.ensemble.classification_loss``, or one that
+        reads ``hyperparameter(state, name)``).
+      layout: the ``EnsembleLayout`` with ``len(points)`` members.
+      points: the K settings (``Space(...).grid()``, ``.sample(K)``, or dicts).
+      pipeline: the training data (``sweep_pipeline``).
+      eval_pipeline: the data members are scored on.
+      num_steps: training steps of every member.
+      workdir: where stages, ``sweep.json``, ``results.json`` and ``best/`` go.
+      metric, mode: the score (a per-member metric of ``per_example_fn``) and whether
+        higher (``"max"``) or lower is better.
+      per_example_fn: the evaluation (``ensemble_metrics(layout)`` by default).
+      schedule: ``None``, ``SuccessiveHalving`` or ``PopulationBasedTraining``.
+      space: where refilled and resampled points come from.
+      loss_values: the points' names the loss reads (not optimizer hyperparameters).
+      seed: the init seed of points without ``init_seed``, and the schedule's seed.
+      precision, microbatches, strategy: as for the ensemble step.
+      eval_every: also evaluate every member this often during each stage (written to
+        the stage's ``metrics.jsonl`` and writers).
+      checkpoints, logging: each stage's ``fit`` settings.
+    """
+    checked = check_points(points)
+    state = create_sweep_state(
+        model, tx, layout, checked, loss_values=loss_values, seed=seed, precision=precision
+    )
+    _check_pipeline(pipeline, checked)
+    if isinstance(schedule, SuccessiveHalving) and schedule.refill and space is None:
+        raise ValueError(
+            "SuccessiveHalving(refill=True) fills stopped slots with points drawn from a "
+            "space: pass space= (the Space the points came from), or refill=False."
+        )
+    optimizer_names, loss_names = split_names(checked, tx, model, tuple(loss_values))
+    names = optimizer_names + loss_names
+    workdir = as_path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
+    per_example_fn = per_example_fn or ensemble_metrics(layout)
+    step = _step(loss_fn, layout, "data_seed" in checked[0], microbatches, strategy)
+    evaluation = (
+        None if eval_every is None else Evaluation(eval_pipeline, eval_every, per_example_fn)
+    )
+    ends = (*(() if schedule is None else schedule.boundaries(num_steps)), num_steps)
+
+    trials = [Trial(k, k, dict(p), None, 0) for k, p in enumerate(checked)]
+    slots = list(range(len(checked)))  # the trial each slot trains
+    current = list(checked)
+    active = np.ones(len(checked), bool)
+    compiles, began, start = 0, time.perf_counter(), 0
+    for index, end in enumerate(ends):
+        result = fit(
+            state,
+            step,
+            pipeline,
+            num_steps=end,
+            workdir=workdir / f"stage_{index}",
+            start_step=start,
+            evaluation=evaluation,
+            checkpoints=checkpoints,
+            logging=logging,
+        )
+        compiles += result.train_step_compiles
+        state = result.state
+        if result.preempted or result.stopped_early or result.step < end:
+            return SweepResult(
+                trials=trials,
+                slots=slots,
+                state=state,
+                metric=metric,
+                mode=mode,
+                step=result.step,
+                workdir=workdir,
+                train_step_compiles=compiles,
+                interrupted=True,
+            )
+        measured = full_eval(per_example_fn, state, eval_pipeline).metrics
+        scores = per_member(measured, metric)
+        for slot, trial_id in enumerate(slots):
+            if active[slot]:
+                trials[trial_id].record(end, float(scores[slot]), _member_metrics(measured, slot))
+        if end == num_steps:
+            break
+        scored = np.array([trials[t].score() for t in slots], np.float64)
+        decision = _decide(
+            schedule,
+            step=end,
+            scores=scored,
+            active=active,
+            points=current,
+            mode=mode,
+            space=space,
+            seed=seed,
+        )
+        moves = {
+            "source": np.asarray(decision.source, np.int32),
+            "refresh": decision.refresh,
+            "active": decision.active,
+            "seeds": init_keys(decision.points, seed),
+            "values": value_arrays(decision.points, names),
+        }
+        state = _reassign(model, layout)(state, moves)
+        slots = _apply(decision, trials, slots, active, end)
+        current, active, start = list(decision.points), decision.active.copy(), end
+    for slot, trial_id in enumerate(slots):
+        if active[slot]:
+            trials[trial_id].finish(num_steps)
+    sweep = SweepResult(
+        trials=trials,
+        slots=slots,
+        state=state,
+        metric=metric,
+        mode=mode,
+        step=num_steps,
+        workdir=workdir,
+        train_step_compiles=compiles,
+        wall_seconds=time.perf_counter() - began,
+    )
+    if jax.process_index() == 0:
+        sweep.write_json(workdir / "results.json")
+    return sweep
+
+
+def _member_metrics(measured: Mapping[str, float], slot: int) -> dict[str, float]:
+    prefix = f"member_{slot}/"
+    return {k[len(prefix) :]: float(v) for k, v in measured.items() if k.startswith(prefix)}
+
+
+def _decide(
+    schedule: Schedule | None,
+    *,
+    step: int,
+    scores: np.ndarray,
+    active: np.ndarray,
+    points: Sequence[Point],
+    mode: Mode,
+    space: Space | None,
+    seed: int,
+) -> Decision:
+    if isinstance(schedule, SuccessiveHalving):
+        return halving_decision(
+            schedule,
+            step=step,
+            scores=scores,
+            active=active,
+            points=points,
+            mode=mode,
+            space=space,
+            seed=seed,
+        )
+    assert isinstance(schedule, PopulationBasedTraining)
+    return pbt_decision(
+        schedule, step=step, scores=scores, points=points, mode=mode, space=space, seed=seed
+    )
+
+
+def _apply(
+    decision: Decision, trials: list[Trial], slots: list[int], active: np.ndarray, step: int
+) -> list[int]:
+    """Updates the trials for ``decision`` at ``step``; returns the new slot -> trial map."""
+    new_slots = list(slots)
+    for slot in np.flatnonzero(active & ~decision.active):
+        trials[slots[slot]].stop(step)
+    for slot in decision.changed:
+        old = trials[slots[slot]]
+        old.replace(step)
+        donor = int(decision.source[slot])
+        parent = None if decision.refresh[slot] else slots[donor]
+        trial = Trial(len(trials), slot, dict(decision.points[slot]), parent, step)
+        if parent is not None:  # a copy continues its donor's scores
+            trial.history = list(trials[parent].history)
+            trial.metrics = dict(trials[parent].metrics)
+        trials.append(trial)
+        new_slots[slot] = trial.id
+    return new_slots
