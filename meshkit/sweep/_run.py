@@ -62,7 +62,10 @@ def _reassign(model: Model, layout: EnsembleLayout) -> Callable[..., TrainState]
         def pick(new: jax.Array, kept: jax.Array) -> jax.Array:
             return jnp.where(refresh.reshape(refresh.shape + (1,) * (kept.ndim - 1)), new, kept)
 
-        chosen = jax.tree.map(pick, fresh, taken)
+        # Leaf by leaf: the fresh members' static fields (the model's apply function)
+        # may be other objects of the same model.
+        leaves = map(pick, jax.tree.leaves(fresh), jax.tree.leaves(taken))
+        chosen = jax.tree.unflatten(jax.tree.structure(taken), list(leaves))
         return chosen.replace(opt_state=set_hyperparameters(chosen.opt_state, values, active))
 
     return jax.jit(reassign, out_shardings=layout.state_sharding, donate_argnums=0)

@@ -1,0 +1,149 @@
+"""A hyperparameter sweep as one program: 16 settings of the digits CNN on the ensemble axis.
+
+Command (no arguments: the MNIST CNN of the Flax examples on the embedded 8×8 digits,
+AdamW with a 4 × 4 log grid of learning rate × weight decay, 16 members, two per
+device on 8 fake CPU devices, one compile)::
+
+    python -m recipes.sweep
+
+Expected result, in about a minute on a 2-core machine: a progress bar, the ranked
+table, and a JSON summary (also in ``<workdir>/summary.json``) whose best member
+reaches at least 0.97 test accuracy with a train step compiled once, e.g.::
+
+    rank  trial  slot  status    accuracy  learning_rate  weight_decay
+       1     11    11  finished    0.9889        0.02154          0.01
+       2      8     8  finished    0.9833        0.02154         1e-05
+    ...
+    {"points": 16, "mesh": {"ensemble": 8, "data": 1}, "train_step_compiles": 1,
+     "best": {"learning_rate": 0.02154, "weight_decay": 0.01}, "best_test_accuracy": 0.9889, ...}
+
+The sweep writes ``<workdir>/results.json`` (every trial, best first, with its
+hyperparameters and scores), ``<workdir>/sweep.png`` (members' training loss and
+evaluation accuracy, the winner highlighted) and ``<workdir>/best`` (the winner as an
+ordinary train-state checkpoint with ``hyperparameters.json``).
+
+Other runs::
+
+    python -m recipes.sweep --pbt                     # population-based training
+    python -m recipes.sweep --halving                 # successive halving with refill
+    python -m recipes.sweep --mesh ensemble=4,data=2  # each member's batch over 2 devices
+    python -m recipes.sweep --precision bf16 --microbatches 2
+
+Rerunning with the same ``--workdir`` resumes: a sweep killed at any point ends with
+the same table as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import meshkit
+from recipes._args import recipe_parser, write_summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = recipe_parser(__doc__, workdir="workdir/sweep", progress=True)
+    parser.add_argument("--mesh", default="ensemble=8,data=1", help="mesh axes")
+    schedule = parser.add_mutually_exclusive_group()
+    schedule.add_argument(
+        "--pbt",
+        action="store_true",
+        help="population-based training: at a third and two thirds of "
+        "the steps the bottom quarter copies the top quarter and perturbs its values",
+    )
+    schedule.add_argument(
+        "--halving",
+        action="store_true",
+        help="successive halving at a third and two thirds of the "
+        "steps; stopped slots restart with new points from the space",
+    )
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32")
+    parser.add_argument("--microbatches", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from meshkit import data, ensemble, sweep, train
+    from meshkit.models import MnistCNN
+
+    space = sweep.Space(
+        learning_rate=sweep.log_grid(1e-3, 1e-1, 4), weight_decay=sweep.log_grid(1e-5, 1e-2, 4)
+    )
+    points = space.grid()
+    try:
+        layout = ensemble.EnsembleLayout(meshkit.make_mesh(args.mesh), len(points))
+    except ValueError as error:  # says what was received and how to fix it
+        raise SystemExit(f"--mesh {args.mesh}: {error}") from None
+    train_source, test_source = data.digits("train"), data.digits("test")
+    schedule = None
+    if args.pbt:
+        schedule = sweep.PopulationBasedTraining(every=max(args.steps // 3, 1))
+    elif args.halving:
+        rungs = sorted({max(args.steps // 3, 1), max(2 * args.steps // 3, 1)} - {args.steps})
+        schedule = sweep.SuccessiveHalving(rungs=tuple(rungs), refill=True)
+    result = sweep.run_sweep(
+        train.linen_model(MnistCNN(), jnp.zeros((1, 8, 8, 1))),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
+        ensemble.classification_loss,
+        layout,
+        points,
+        pipeline=sweep.sweep_pipeline(
+            train_source, points, layout, global_batch_size=args.batch_size, seed=args.seed
+        ),
+        eval_pipeline=data.EvalPipeline(
+            test_source, global_batch_size=128, sharding=layout.batch_sharding
+        ),
+        num_steps=args.steps,
+        workdir=args.workdir,
+        schedule=schedule,
+        space=space,
+        seed=args.seed,
+        precision=args.precision,
+        microbatches=args.microbatches,
+        logging=train.Logging(progress=not args.no_progress),
+    )
+    if result.interrupted:  # a SIGTERM: saved; rerun to resume
+        return train.PREEMPTED_EXIT_CODE
+    result.save_best()
+    best = result.best
+    if jax.process_index() == 0:
+        result.plot(args.workdir / "sweep.png")
+        print(result.table(), flush=True)
+    train.write_run_config(args.workdir, {**vars(args), "best": best.point}, layout.mesh)
+    write_summary(
+        args.workdir,
+        {
+            "points": len(points),
+            "trials": len(result.trials),
+            "mesh": dict(layout.mesh.shape),
+            "processes": jax.process_count(),
+            "schedule": "pbt" if args.pbt else "halving" if args.halving else None,
+            "steps": result.step,
+            "train_step_compiles": result.train_step_compiles,
+            "wall_seconds": round(result.wall_seconds, 2),
+            "best": best.point,
+            "best_trial": best.id,
+            "best_test_accuracy": best.metrics.get("accuracy"),
+            "best_test_loss": best.metrics.get("loss"),
+            "table": [
+                {"trial": t.id, "status": t.status, "accuracy": t.score(), **t.point}
+                for t in result.ranked()
+            ],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

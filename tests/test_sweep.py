@@ -1,0 +1,439 @@
+"""meshkit.sweep: members equal standalone runs; halving, PBT and resume are exact; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.stats
+
+import meshkit
+from meshkit import data, ensemble, sweep, train
+from meshkit.sweep import _run
+from meshkit.sweep._schedules import halving_decision, pbt_decision
+from meshkit.sweep._space import check_points
+
+BATCH = 32
+NUM_CLASSES = 10
+
+
+class TinyMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        del train
+        x = nn.relu(nn.Dense(16)(x.reshape((x.shape[0], -1))))
+        return nn.Dense(NUM_CLASSES)(x)
+
+
+def tiny_model() -> train.Model:
+    return train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
+
+
+def adamw() -> optax.GradientTransformation:
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4)
+
+
+def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: jax.Array | float):
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, NUM_CLASSES), smoothing)
+    return optax.softmax_cross_entropy(logits, targets).mean()
+
+
+def swept_loss(params, state, batch, rng):
+    """A member's loss with its own label smoothing, read from its state."""
+    logits, collections = train.apply_model(state, batch["image"], params=params, rng=rng)
+    smoothing = sweep.hyperparameter(state, "label_smoothing")
+    loss = smoothed_cross_entropy(logits, batch["label"], smoothing)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    return loss, ensemble.MemberOutput(collections, {"accuracy": accuracy}, logits)
+
+
+def layout_for(num_members: int) -> ensemble.EnsembleLayout:
+    """Members over ``ensemble`` (two per device where they fit) and the rest on ``data``."""
+    devices = jax.device_count()
+    size = math.gcd(max(num_members // 2, 1), devices)
+    return ensemble.EnsembleLayout(
+        meshkit.make_mesh(f"ensemble={size},data={devices // size}"), num_members
+    )
+
+
+def eval_pipeline(layout: ensemble.EnsembleLayout) -> data.EvalPipeline:
+    return data.EvalPipeline(
+        data.digits("test"), global_batch_size=64, sharding=layout.batch_sharding
+    )
+
+
+POINTS = (
+    {"learning_rate": 0.01, "label_smoothing": 0.0, "init_seed": 3, "data_seed": 5},
+    {"learning_rate": 0.03, "label_smoothing": 0.1, "init_seed": 4, "data_seed": 6},
+    {"learning_rate": 0.01, "label_smoothing": 0.2, "init_seed": 3, "data_seed": 7},
+    {"learning_rate": 0.003, "label_smoothing": 0.1, "init_seed": 8, "data_seed": 5},
+)
+STEPS = 5
+
+
+def run_points(workdir: Path, strategy: str = "auto", **kwargs) -> sweep.SweepResult:
+    layout = layout_for(len(POINTS))
+    return sweep.run_sweep(
+        tiny_model(),
+        adamw(),
+        swept_loss,
+        layout,
+        POINTS,
+        pipeline=sweep.sweep_pipeline(
+            data.digits("train"), POINTS, layout, global_batch_size=BATCH
+        ),
+        eval_pipeline=eval_pipeline(layout),
+        num_steps=STEPS,
+        workdir=workdir,
+        loss_values=("label_smoothing",),
+        strategy=strategy,  # pyright: ignore[reportArgumentType]
+        logging=train.Logging(every=1, progress=False),
+        **kwargs,
+    )
+
+
+def standalone(point: dict, workdir: Path) -> tuple[list[float], object]:
+    """Member ``point`` as an ordinary data-parallel run: plain AdamW, a constant smoothing."""
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    smoothing = point["label_smoothing"]
+
+    def loss_fn(params, state, batch, rng):
+        logits, collections = train.apply_model(state, batch["image"], params=params, rng=rng)
+        return smoothed_cross_entropy(logits, batch["label"], smoothing), train.LossOutput(
+            collections, {}
+        )
+
+    tx = optax.adamw(point["learning_rate"], weight_decay=1e-4)
+    state = train.create_train_state(tiny_model(), tx, mesh, seed=point["init_seed"])
+    step = train.make_train_step(loss_fn, train.state_shardings_of(state), sharding)
+    pipeline = data.TrainPipeline(
+        data.digits("train"), global_batch_size=BATCH, sharding=sharding, seed=point["data_seed"]
+    )
+    result = train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=STEPS,
+        workdir=workdir,
+        logging=train.Logging(every=1, progress=False),
+    )
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r], meshkit.to_host(result.state.params)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_each_member_follows_its_standalone_run(strategy: str, tmp_path: Path):
+    result = run_points(tmp_path / "sweep", strategy)
+    assert result.train_step_compiles == 1 and result.step == STEPS
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "sweep" / "stage_0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    params = meshkit.to_host(result.state.params)
+    for index, point in enumerate(POINTS):
+        losses, reference = standalone(point, tmp_path / f"alone_{index}")
+        member_losses = [r[f"member_{index}/loss"] for r in records if "loss" in r]
+        np.testing.assert_allclose(member_losses, losses, rtol=2e-5)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(got[index], want, rtol=2e-5, atol=2e-6)
+    assert [t.point for t in result.trials] == [dict(p) for p in POINTS]
+    assert sorted(t.id for t in result.ranked()) == [0, 1, 2, 3]
+
+
+def grid_run(points, workdir: Path, model=None, tx=None) -> sweep.SweepResult:
+    layout = layout_for(len(points))
+    return sweep.run_sweep(
+        model or tiny_model(),
+        tx or adamw(),
+        ensemble.classification_loss,
+        layout,
+        points,
+        pipeline=sweep.sweep_pipeline(
+            data.digits("train"), points, layout, global_batch_size=BATCH
+        ),
+        eval_pipeline=eval_pipeline(layout),
+        num_steps=2,
+        workdir=workdir,
+        logging=train.Logging(every=1, progress=False),
+    )
+
+
+@pytest.mark.devices(8)
+def test_a_sixteen_point_sweep_compiles_once_and_new_values_compile_nothing(tmp_path: Path):
+    space = sweep.Space(
+        learning_rate=sweep.log_grid(1e-3, 1e-1, 4), weight_decay=sweep.log_grid(1e-5, 1e-2, 4)
+    )
+    model, tx = tiny_model(), adamw()
+    first = grid_run(space.grid(), tmp_path / "first", model, tx)
+    assert first.train_step_compiles == 1
+    # Other values of the same names: the values are arrays, so nothing recompiles.
+    other = sweep.Space(learning_rate=sweep.LogUniform(1e-4, 1e-1), weight_decay=[0.0, 1e-3])
+    with meshkit.count_compiles() as compiles:
+        second = grid_run(other.sample(16, seed=1), tmp_path / "second", model, tx)
+    assert second.train_step_compiles == 0 and compiles.count() == 0, compiles
+    learning_rates = meshkit.to_host(sweep.hyperparameter(second.state, "learning_rate"))
+    np.testing.assert_allclose(
+        learning_rates, [p["learning_rate"] for p in other.sample(16, seed=1)], rtol=1e-6
+    )
+
+
+def trained_state(layout: ensemble.EnsembleLayout, points) -> train.TrainState:
+    """Members after two steps of AdamW, so the optimizer state is not its initial value."""
+    state = sweep.create_sweep_state(
+        tiny_model(), adamw(), layout, points, loss_values=("label_smoothing",)
+    )
+    step = ensemble.make_ensemble_step(swept_loss, layout, member_batches=True)
+    pipeline = sweep.sweep_pipeline(data.digits("train"), points, layout, global_batch_size=BATCH)
+    with data.GlobalBatchIterator(pipeline) as batches:
+        for _ in range(2):
+            state, _ = step(state, next(batches))
+    return state
+
+
+def moves_for(decision, points) -> dict:
+    return {
+        "source": np.asarray(decision.source, np.int32),
+        "refresh": decision.refresh,
+        "active": decision.active,
+        "seeds": np.asarray([p["init_seed"] for p in decision.points], np.uint32),
+        "values": {
+            name: np.asarray([p[name] for p in decision.points], np.float32)
+            for name in ("learning_rate", "label_smoothing")
+        },
+    }
+
+
+@pytest.mark.once  # the members move between devices at 8
+def test_a_pbt_exploit_copies_its_source_exactly():
+    layout = layout_for(len(POINTS))
+    before = meshkit.to_host(trained_state(layout, POINTS))
+    scores = np.array([0.9, 0.5, 0.2, 0.8])  # slot 2 is the worst, slot 0 the best
+    decision = pbt_decision(
+        sweep.PopulationBasedTraining(every=2),
+        step=2,
+        scores=scores,
+        points=check_points(POINTS),
+        mode="max",
+        space=None,
+        seed=0,
+    )
+    assert decision.changed == (2,) and decision.source.tolist() == [0, 1, 0, 3]
+    new_point = decision.points[2]
+    assert new_point["learning_rate"] / POINTS[0]["learning_rate"] in (0.8, 1.25)
+    assert new_point["init_seed"] == POINTS[2]["init_seed"]  # seeds stay with the slot
+    state = trained_state(layout, POINTS)
+    after = meshkit.to_host(
+        _run._reassign(tiny_model(), layout)(state, moves_for(decision, POINTS))
+    )
+    for got, was in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params), strict=True):
+        np.testing.assert_array_equal(got[2], was[0])  # the copy, bit for bit
+        np.testing.assert_array_equal(got[[0, 1, 3]], was[[0, 1, 3]])  # the rest untouched
+    inner_after, inner_before = after.opt_state.inner, before.opt_state.inner
+    for got, was in zip(
+        jax.tree.leaves(inner_after.inner_state),
+        jax.tree.leaves(inner_before.inner_state),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got[2], was[0])
+    np.testing.assert_array_equal(after.step, before.step[[0, 1, 0, 3]])
+    np.testing.assert_array_equal(after.rng, before.rng)  # each keeps its own dropout key
+    learning_rates = inner_after.hyperparams["learning_rate"]
+    assert learning_rates[2] == np.float32(new_point["learning_rate"])
+    assert after.opt_state.values["label_smoothing"][2] == np.float32(new_point["label_smoothing"])
+
+
+@pytest.mark.once  # the members move between devices at 8
+def test_halving_freezes_the_worst_and_never_touches_the_survivors():
+    layout = layout_for(len(POINTS))
+    points = check_points(POINTS)
+    decision = halving_decision(
+        sweep.SuccessiveHalving(rungs=(2,), fraction=0.5),
+        step=2,
+        scores=np.array([0.3, 0.9, 0.1, 0.7]),
+        active=np.ones(4, bool),
+        points=points,
+        mode="max",
+        space=None,
+        seed=0,
+    )
+    assert decision.active.tolist() == [False, True, False, True]
+    state = trained_state(layout, POINTS)
+    reference = trained_state(layout, POINTS)  # the same members, left alone
+    state = _run._reassign(tiny_model(), layout)(state, moves_for(decision, points))
+    step = ensemble.make_ensemble_step(swept_loss, layout, member_batches=True)
+    pipeline = sweep.sweep_pipeline(data.digits("train"), POINTS, layout, global_batch_size=BATCH)
+    frozen = meshkit.to_host(state.params)
+    with data.GlobalBatchIterator(pipeline) as batches:
+        for _ in range(2):
+            batch = next(batches)
+            state, _ = step(state, batch)
+            reference, _ = step(reference, batch)
+    got, want = meshkit.to_host(state.params), meshkit.to_host(reference.params)
+    for leaf, reference_leaf, frozen_leaf in zip(
+        jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(frozen), strict=True
+    ):
+        np.testing.assert_array_equal(leaf[[1, 3]], reference_leaf[[1, 3]])  # survivors
+        np.testing.assert_array_equal(leaf[[0, 2]], frozen_leaf[[0, 2]])  # stopped: frozen
+
+    refill = halving_decision(
+        sweep.SuccessiveHalving(rungs=(2,), refill=True),
+        step=2,
+        scores=np.array([0.3, 0.9, 0.1, 0.7]),
+        active=np.ones(4, bool),
+        points=points,
+        mode="max",
+        space=sweep.Space(
+            learning_rate=[0.1, 0.2], label_smoothing=[0.0], init_seed=[11, 12], data_seed=[0]
+        ),
+        seed=0,
+    )
+    assert (
+        refill.changed == (0, 2)
+        and refill.active.all()
+        and refill.refresh.tolist()
+        == [
+            True,
+            False,
+            True,
+            False,
+        ]
+    )
+    assert [refill.points[s]["data_seed"] for s in (0, 2)] == [5, 7]  # the slot's data order
+    state = _run._reassign(tiny_model(), layout)(
+        trained_state(layout, POINTS), moves_for(refill, points)
+    )
+    fresh = train.create_train_state(
+        tiny_model(), adamw(), meshkit.make_mesh("data=-1"), seed=int(refill.points[0]["init_seed"])
+    )
+    for leaf, fresh_leaf in zip(
+        jax.tree.leaves(meshkit.to_host(state.params)),
+        jax.tree.leaves(meshkit.to_host(fresh.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(leaf[0], fresh_leaf)
+    assert meshkit.to_host(state.step).tolist() == [0, 2, 0, 2]
+
+
+@pytest.mark.once
+def test_a_killed_pbt_sweep_resumes_to_the_same_table(tmp_path: Path, monkeypatch):
+    pbt = sweep.PopulationBasedTraining(every=2, quantile=0.25)
+    space = sweep.Space(learning_rate=sweep.LogUniform(1e-3, 1e-1), label_smoothing=[0.0, 0.1, 0.2])
+    settings = {"schedule": pbt, "space": space, "checkpoints": train.Checkpoints(every=1)}
+    whole = run_points(tmp_path / "whole", **settings)
+
+    calls = {"count": 0}
+    real_full_eval = _run.full_eval
+
+    def dies_at_the_second_boundary(*args, **kwargs):
+        calls["count"] += 1
+        if calls["count"] == 2:
+            raise KeyboardInterrupt("killed")
+        return real_full_eval(*args, **kwargs)
+
+    monkeypatch.setattr(_run, "full_eval", dies_at_the_second_boundary)
+    with pytest.raises(KeyboardInterrupt):
+        run_points(tmp_path / "killed", **settings)
+    monkeypatch.setattr(_run, "full_eval", real_full_eval)
+    resumed = run_points(tmp_path / "killed", **settings)
+
+    assert resumed.to_json() == whole.to_json()
+    assert len(whole.trials) > len(POINTS)  # exploits happened
+    assert any(t.parent is not None for t in whole.trials)
+    for got, want in zip(
+        jax.tree.leaves(meshkit.to_host(resumed.state)),
+        jax.tree.leaves(meshkit.to_host(whole.state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    best = whole.best
+    assert best.status == "finished"
+    saved = whole.save_best(tmp_path / "best")
+    hyper = json.loads((saved / "hyperparameters.json").read_text())
+    assert hyper["hyperparameters"] == best.point and hyper["trial"] == best.id
+    target = whole.best_state()
+    restored, data_state = train.Checkpointer(saved, save_every=1).restore(target)
+    assert data_state == {"step": STEPS}
+    for got, want in zip(
+        jax.tree.leaves(meshkit.to_host(restored.params)),
+        jax.tree.leaves(meshkit.to_host(whole.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want[best.slot])
+    whole.plot(tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.once
+def test_space_grid_sample_and_log_grid():
+    space = sweep.Space(learning_rate=[0.1, 0.01], weight_decay=[0.0, 1e-4, 1e-3])
+    grid = space.grid()
+    assert len(grid) == 6 and grid[1] == {"learning_rate": 0.1, "weight_decay": 1e-4}
+    drawn = sweep.Space(learning_rate=sweep.LogUniform(1e-4, 1e-1), b1=sweep.Uniform(0.8, 0.99))
+    assert drawn.sample(5, seed=3) == drawn.sample(5, seed=3) != drawn.sample(5, seed=4)
+    values = np.log10([p["learning_rate"] for p in drawn.sample(400, seed=0)])
+    assert values.min() >= -4 and values.max() <= -1
+    # log10 of the draws is uniform on [-4, -1] (scipy's Kolmogorov-Smirnov test)
+    assert scipy.stats.kstest(values, scipy.stats.uniform(-4, 3).cdf).pvalue > 0.01
+    assert sweep.log_grid(1e-5, 1e-2, 4) == (1e-5, 1e-4, 1e-3, 1e-2)
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (sweep.Space, ValueError, "The space is empty"),
+        (lambda: sweep.Space(learning_rate=[]), ValueError, "'learning_rate' has no values"),
+        (lambda: sweep.Space(learning_rate=[float("nan")]), ValueError, "expected a finite"),
+        (lambda: sweep.Space(learning_rate=[[0.1]]), TypeError, "expected a real scalar"),  # pyright: ignore[reportArgumentType]
+        (lambda: sweep.Space(learning_rate=0.1), TypeError, "expected a list of values"),  # pyright: ignore[reportArgumentType]
+        (lambda: sweep.LogUniform(0.0, 1.0), ValueError, "0 < low < high"),
+        (lambda: sweep.Space(init_seed=[1.5]), ValueError, "non-negative ints"),
+        (lambda: sweep.Space(lr=sweep.LogUniform(1e-3, 1.0)).grid(), ValueError, "log_grid"),
+        (lambda: check_points([]), ValueError, "The sweep has no points"),
+        (lambda: check_points([{"a": 1.0}, {"b": 1.0}]), ValueError, "the same hyperparameters"),
+    ],
+)
+def test_bad_spaces_are_explained(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.once
+def test_bad_sweeps_are_explained(tmp_path: Path):
+    layout = layout_for(2)
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"\['learnig_rate'\].*'learning_rate'.*loss_values="):
+        sweep.create_sweep_state(model, adamw(), layout, [{"learnig_rate": 0.1}] * 2)
+    with pytest.raises(ValueError, match=r"Wrap the optimizer in optax\.inject_hyperparams"):
+        sweep.create_sweep_state(model, optax.sgd(0.1), layout, [{"learning_rate": 0.1}] * 2)
+    with pytest.raises(ValueError, match=r"3 points but the layout holds 2 members \(Ensemble"):
+        sweep.create_sweep_state(model, adamw(), layout, [{"learning_rate": 0.1}] * 3)
+    with pytest.raises(ValueError, match=r"num_members=12 cannot be split evenly\b"):
+        ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=8"), 12)
+    points = [{"learning_rate": 0.1, "data_seed": 1}, {"learning_rate": 0.2, "data_seed": 2}]
+    shared = data.TrainPipeline(
+        data.digits("train"), global_batch_size=BATCH, sharding=layout.batch_sharding
+    )
+    with pytest.raises(ValueError, match=r"set data_seed \[1, 2\].*sweep_pipeline"):
+        sweep.run_sweep(
+            model,
+            adamw(),
+            ensemble.classification_loss,
+            layout,
+            points,
+            pipeline=shared,
+            eval_pipeline=eval_pipeline(layout),
+            num_steps=1,
+            workdir=tmp_path,
+        )
+    grid_run([{"learning_rate": 0.1}, {"learning_rate": 0.2}], tmp_path / "run")
+    with pytest.raises(ValueError, match=r"holds a sweep with other \['points'\].*new workdir"):
+        grid_run([{"learning_rate": 0.1}, {"learning_rate": 0.3}], tmp_path / "run")
