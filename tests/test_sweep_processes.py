@@ -1,0 +1,44 @@
+"""The sweep recipe on 2 processes × 4 devices ranks the same trials as on 1 × 8."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshkit.testing import run_processes
+
+pytestmark = pytest.mark.multiprocess
+
+ARGS = ["-m", "recipes.sweep", "--no-progress", "--pbt", "--steps", "30"]
+
+
+def test_pbt_sweep_on_two_processes_ends_with_the_table_of_one(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, *ARGS, "--workdir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    one = json.loads(out.stdout.strip().splitlines()[-1])
+    run_processes(
+        [*ARGS, "--workdir", str(tmp_path / "two")], log_dir=tmp_path / "logs", timeout=300
+    )
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["processes"] == 1 and two["processes"] == 2
+    assert one["train_step_compiles"] == two["train_step_compiles"] == 1
+    assert one["trials"] == two["trials"] > 16  # the bottom quarter was replaced twice
+    for mine, theirs in zip(one["table"], two["table"], strict=True):
+        accuracy = mine.pop("accuracy"), theirs.pop("accuracy")
+        assert mine == theirs  # the same trials, hyperparameters and order
+        np.testing.assert_allclose(*accuracy, rtol=1e-6)
+    results = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert any(trial["parent"] is not None for trial in results["trials"])
+    assert (tmp_path / "two" / "sweep.png").stat().st_size > 10_000
+    assert (tmp_path / "two" / "best" / "hyperparameters.json").exists()
