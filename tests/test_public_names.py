@@ -5,8 +5,8 @@ from (``meshkit.distributed``). Its public names are what it re-exports with
 ``from x import y as y`` (the explicit re-export that type checkers honour) and what
 it defines at its top level without a leading underscore. Every face's names need a
 docstring and an API-docs entry; the package faces (``meshkit`` and its
-subpackages, where the budget was first counted at 157) share a budget of 155: 141
-before ``meshkit.plan`` added its 14.
+subpackages, where the budget was first counted at 157) share a budget of 168: 141
+before ``meshkit.plan`` added its 14, 155 before ``meshkit.sweep`` added its 13.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.once  # the package's surface, whatever the devices
 
 ROOT = Path(meshkit.__file__).parent
 API_DOCS = ROOT.parent / "docs" / "api"
-MAX_PUBLIC_NAMES = 155
+MAX_PUBLIC_NAMES = 168
 
 
 def package_faces() -> list[str]:
@@ -130,7 +130,7 @@ def test_the_faces_are_found():
     assert set(package_faces()) == {
         "meshkit",
         *(f"meshkit.{name}" for name in ("data", "ensemble", "evaluate", "lbfgs", "models")),
-        *(f"meshkit.{name}" for name in ("plan", "testing", "train")),
+        *(f"meshkit.{name}" for name in ("plan", "sweep", "testing", "train")),
     }
 
 
