@@ -54,6 +54,13 @@ def check_ensemble(clone: Path, _out: str) -> str:
     return f"ensemble {ensemble:.4f} >= best member {best:.4f}"
 
 
+def check_sweep(clone: Path, _out: str) -> str:
+    summary = _summary(clone, "sweep")
+    best, compiles = summary["best_test_accuracy"], summary["train_step_compiles"]
+    assert summary["points"] == 16 and compiles == 1 and best >= 0.97, summary
+    return f"16 settings, 1 compile, best test accuracy {best:.4f}"
+
+
 def check_full_eval(clone: Path, _out: str) -> str:
     summary = _summary(clone, "full_eval")
     exact = summary["meshkit.evaluate.full_eval"]
@@ -93,6 +100,7 @@ def check_sharding_demo(_clone: Path, out: str) -> str:
 CHECKS: dict[str, Callable[[Path, str], str]] = {
     "python3 -m recipes.data_parallel": check_data_parallel,
     "python3 -m recipes.ensemble": check_ensemble,
+    "python3 -m recipes.sweep": check_sweep,
     "python3 -m recipes.full_eval": check_full_eval,
     "python3 -m recipes.lbfgs": check_lbfgs,
     "python3 -m recipes.sharding_demo": check_sharding_demo,
