@@ -89,6 +89,10 @@ CASES = {
             "test_examples",
         ),
     ),
+    "sweep": Case(
+        ("--pbt", "--steps", "9", "--no-progress", "--workdir", "{workdir}"),
+        _summary("trials", "best", "best_test_accuracy", "best_test_loss"),
+    ),
     "full_eval": Case(
         ("--train-steps", "10", "--workdir", "{workdir}"),
         _summary(*(f"{m}/{k}" for m in FULL_EVAL_METHODS for k in ("examples", "accuracy"))),
