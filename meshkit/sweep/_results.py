@@ -180,10 +180,11 @@ class SweepResult:
         """A text table of the trials, best first.
 
         Examples:
-            >>>             >>> trials = [Trial(0, 0, {"learning_rate": 0.1}, None, 0),
+            >>> trials = [Trial(0, 0, {"learning_rate": 0.1}, None, 0),
             ...           Trial(1, 1, {"learning_rate": 0.01}, None, 0)]
-            >>> trials[0].record(10, 0.5, {}); trials[0].finish(10)
-            >>> trials[1].record(10, 0.9, {}); trials[1].finish(10)
+            >>> for trial, score in zip(trials, [0.5, 0.9]):
+            ...     trial.record(10, score, {})
+            ...     trial.finish(10)
             >>> result = SweepResult(trials=trials, slots=[0, 1], state=None, metric="accuracy",
             ...                      mode="max", step=10, workdir=".", train_step_compiles=1)
             >>> print(result.table())

@@ -41,7 +41,7 @@ def with_sweep_values(
         >>> import jax.numpy as jnp, optax
         >>> tx = with_sweep_values(optax.sgd(0.1), {"label_smoothing": 0.1})
         >>> state = tx.init({"w": jnp.zeros(2)})
-        >>> float(state.values["label_smoothing"]), bool(state.active)
+        >>> round(float(state.values["label_smoothing"]), 6), bool(state.active)
         (0.1, True)
         >>> updates, _ = tx.update({"w": jnp.ones(2)}, state._replace(active=jnp.array(False)))
         >>> updates["w"].tolist()
@@ -133,7 +133,8 @@ def hyperparameter(state: Any, name: str) -> jax.Array:
         >>> tx = with_sweep_values(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         ...                        {"label_smoothing": 0.1})
         >>> state = train.create_train_state(model, tx, meshkit.make_mesh("data=-1"))
-        >>> [float(hyperparameter(state, n)) for n in ("label_smoothing", "learning_rate")]
+        >>> names = ("label_smoothing", "learning_rate")
+        >>> [round(float(hyperparameter(state, name)), 6) for name in names]
         [0.1, 0.1]
     """
     held = optimizer_hyperparameters(state.opt_state)
