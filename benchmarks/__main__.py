@@ -17,6 +17,7 @@ BENCHMARKS = [
     "input_pipeline",
     "full_eval",
     "ensemble",
+    "sweep",
     "lbfgs",
     "plan",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.stats
+from flax import nnx
 
 import meshkit
 from meshkit import data, ensemble, sweep, train
@@ -78,10 +79,12 @@ POINTS = (
 STEPS = 5
 
 
-def run_points(workdir: Path, strategy: str = "auto", **kwargs) -> sweep.SweepResult:
+def run_points(
+    workdir: Path, strategy: str = "auto", model: train.Model | None = None, **kwargs
+) -> sweep.SweepResult:
     layout = layout_for(len(POINTS))
     return sweep.run_sweep(
-        tiny_model(),
+        model or tiny_model(),
         adamw(),
         swept_loss,
         layout,
@@ -99,7 +102,13 @@ def run_points(workdir: Path, strategy: str = "auto", **kwargs) -> sweep.SweepRe
     )
 
 
-def standalone(point: dict, workdir: Path) -> tuple[list[float], object]:
+def standalone(
+    point: dict,
+    workdir: Path,
+    model: train.Model | None = None,
+    precision: str | None = None,
+    microbatches: int = 1,
+) -> tuple[list[float], object]:
     """Member ``point`` as an ordinary data-parallel run: plain AdamW, a constant smoothing."""
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
@@ -112,8 +121,12 @@ def standalone(point: dict, workdir: Path) -> tuple[list[float], object]:
         )
 
     tx = optax.adamw(point["learning_rate"], weight_decay=1e-4)
-    state = train.create_train_state(tiny_model(), tx, mesh, seed=point["init_seed"])
-    step = train.make_train_step(loss_fn, train.state_shardings_of(state), sharding)
+    state = train.create_train_state(
+        model or tiny_model(), tx, mesh, seed=point["init_seed"], precision=precision
+    )
+    step = train.make_train_step(
+        loss_fn, train.state_shardings_of(state), sharding, microbatches=microbatches
+    )
     pipeline = data.TrainPipeline(
         data.digits("train"), global_batch_size=BATCH, sharding=sharding, seed=point["data_seed"]
     )
@@ -146,6 +159,37 @@ def test_each_member_follows_its_standalone_run(strategy: str, tmp_path: Path):
             np.testing.assert_allclose(got[index], want, rtol=2e-5, atol=2e-6)
     assert [t.point for t in result.trials] == [dict(p) for p in POINTS]
     assert sorted(t.id for t in result.ranked()) == [0, 1, 2, 3]
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(64, 16, rngs=rngs)
+        self.out = nnx.Linear(16, NUM_CLASSES, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.hidden(x.reshape((x.shape[0], -1)))))
+
+
+@pytest.mark.once
+def test_an_nnx_member_in_float16_with_microbatches_follows_its_standalone_run(tmp_path: Path):
+    model = train.nnx_model(NnxMLP)
+    settings = {"precision": "f16", "microbatches": 2}
+    result = run_points(tmp_path / "sweep", model=model, **settings)
+    assert result.train_step_compiles == 1
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "sweep" / "stage_0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all("member_0/loss_scale" in r for r in records if "loss" in r)
+    params = meshkit.to_host(result.state.params)
+    for index in (0, 1):
+        losses, reference = standalone(
+            POINTS[index], tmp_path / f"alone_{index}", model=model, **settings
+        )
+        member_losses = [r[f"member_{index}/loss"] for r in records if "loss" in r]
+        np.testing.assert_allclose(member_losses, losses, rtol=2e-3)  # float16 compute
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(got[index], want, rtol=2e-3, atol=2e-4)
 
 
 def grid_run(points, workdir: Path, model=None, tx=None) -> sweep.SweepResult:
