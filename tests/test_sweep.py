@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -33,10 +34,13 @@ class TinyMLP(nn.Module):
         return nn.Dense(NUM_CLASSES)(x)
 
 
+@functools.cache
 def tiny_model() -> train.Model:
+    """One model object for the module: the same programs, compiled once, for every test."""
     return train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
 
 
+@functools.cache
 def adamw() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4)
 
@@ -142,8 +146,15 @@ def standalone(
     return [r["loss"] for r in records if "loss" in r], meshkit.to_host(result.state.params)
 
 
+@pytest.fixture(scope="module")
+def standalone_runs(tmp_path_factory) -> list[tuple[list[float], object]]:
+    """Each point as its own ordinary run: the reference for both member strategies."""
+    folder = tmp_path_factory.mktemp("standalone")
+    return [standalone(point, folder / str(index)) for index, point in enumerate(POINTS)]
+
+
 @pytest.mark.parametrize("strategy", ["loop", "vmap"])
-def test_each_member_follows_its_standalone_run(strategy: str, tmp_path: Path):
+def test_each_member_follows_its_standalone_run(strategy: str, standalone_runs, tmp_path: Path):
     result = run_points(tmp_path / "sweep", strategy)
     assert result.train_step_compiles == 1 and result.step == STEPS
     records = [
@@ -151,8 +162,7 @@ def test_each_member_follows_its_standalone_run(strategy: str, tmp_path: Path):
         for line in (tmp_path / "sweep" / "stage_0" / "metrics.jsonl").read_text().splitlines()
     ]
     params = meshkit.to_host(result.state.params)
-    for index, point in enumerate(POINTS):
-        losses, reference = standalone(point, tmp_path / f"alone_{index}")
+    for index, (losses, reference) in enumerate(standalone_runs):
         member_losses = [r[f"member_{index}/loss"] for r in records if "loss" in r]
         np.testing.assert_allclose(member_losses, losses, rtol=2e-5)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
@@ -234,7 +244,7 @@ def trained_state(layout: ensemble.EnsembleLayout, points) -> train.TrainState:
     state = sweep.create_sweep_state(
         tiny_model(), adamw(), layout, points, loss_values=("label_smoothing",)
     )
-    step = ensemble.make_ensemble_step(swept_loss, layout, member_batches=True)
+    step = _run._step(swept_loss, layout, True, 1, "auto")  # run_sweep's own (cached) step
     pipeline = sweep.sweep_pipeline(data.digits("train"), points, layout, global_batch_size=BATCH)
     with data.GlobalBatchIterator(pipeline) as batches:
         for _ in range(2):
@@ -312,7 +322,7 @@ def test_halving_freezes_the_worst_and_never_touches_the_survivors():
     state = trained_state(layout, POINTS)
     reference = trained_state(layout, POINTS)  # the same members, left alone
     state = _run._reassign(tiny_model(), layout)(state, moves_for(decision, points))
-    step = ensemble.make_ensemble_step(swept_loss, layout, member_batches=True)
+    step = _run._step(swept_loss, layout, True, 1, "auto")
     pipeline = sweep.sweep_pipeline(data.digits("train"), POINTS, layout, global_batch_size=BATCH)
     frozen = meshkit.to_host(state.params)
     with data.GlobalBatchIterator(pipeline) as batches:
@@ -388,7 +398,10 @@ def test_a_killed_pbt_sweep_resumes_to_the_same_table(tmp_path: Path, monkeypatc
     monkeypatch.setattr(_run, "full_eval", real_full_eval)
     resumed = run_points(tmp_path / "killed", **settings)
 
-    assert resumed.to_json() == whole.to_json()
+    def table(result: sweep.SweepResult) -> dict:
+        return {k: v for k, v in result.to_json().items() if k != "train_step_compiles"}
+
+    assert table(resumed) == table(whole)  # trials, scores, lineage: all equal
     assert len(whole.trials) > len(POINTS)  # exploits happened
     assert any(t.parent is not None for t in whole.trials)
     for got, want in zip(

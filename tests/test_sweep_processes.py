@@ -16,7 +16,7 @@ from meshkit.testing import run_processes
 
 pytestmark = pytest.mark.multiprocess
 
-ARGS = ["-m", "recipes.sweep", "--no-progress", "--pbt", "--steps", "30"]
+ARGS = ["-m", "recipes.sweep", "--no-progress", "--pbt", "--steps", "12"]
 
 
 def killed_once(command: list[str], marker: Path) -> None:
