@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -11,17 +13,33 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 
 
+# pytest-xdist workers for every pass: one per core, at most 4. Each worker is a JAX
+# process with its own fake devices; a test file stays on one worker, so the compiled
+# functions its tests share are compiled once. Multi-process tests start their own
+# processes, on free ports of their own.
+WORKERS = str(min(os.cpu_count() or 1, 4))
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The tests at 1 and at 8 fake CPU devices (docstring examples at 8), then the
     multi-process tests and those that start a recipe of their own."""
     session.install("-e", ".[test]")
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
+    parallel = ["-n", WORKERS, "--dist", "loadfile"]
     session.run(
-        "pytest", "tests", "-m", "not multiprocess", *args, env={"MESHKIT_TEST_DEVICES": "1"}
+        "pytest",
+        "tests",
+        "-m",
+        "not multiprocess",
+        *parallel,
+        *args,
+        env={"MESHKIT_TEST_DEVICES": "1"},
     )
-    session.run("pytest", "-m", "not multiprocess", *args, env={"MESHKIT_TEST_DEVICES": "8"})
-    session.run("pytest", "tests", "-m", "multiprocess", *args)
+    session.run(
+        "pytest", "-m", "not multiprocess", *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8"}
+    )
+    session.run("pytest", "tests", "-m", "multiprocess", *parallel, *args)
 
 
 @nox.session(python=PYTHON)

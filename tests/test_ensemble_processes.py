@@ -136,12 +136,14 @@ def run_recipe(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_recipe_default_run_beats_its_best_member(tmp_path: Path):
-    summary = run_recipe("--workdir", str(tmp_path))
+def test_recipe_ensemble_beats_its_average_member(tmp_path: Path):
+    # A third of the default run; the default 200 steps beat the best member (checked by
+    # nox -s first_hour).
+    summary = run_recipe("--steps", "60", "--workdir", str(tmp_path))
     assert summary["members"] == 8 and summary["mesh"] == {"ensemble": 8, "data": 1}
-    assert summary["test_examples"] == 360 and summary["steps"] == 200
+    assert summary["test_examples"] == 360 and summary["steps"] == 60
     assert len(summary["member_test_accuracy"]) == 8
-    assert summary["ensemble_test_accuracy"] >= summary["best_member_test_accuracy"]
+    assert summary["ensemble_test_accuracy"] >= summary["mean_member_test_accuracy"] > 0.8
     assert summary["train_step_compiles"] == 1
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 

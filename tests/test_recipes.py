@@ -38,23 +38,26 @@ def test_sharding_demo_on_two_processes(tmp_path):
 
 
 @pytest.mark.multiprocess  # runs once: it is the README's main command
-def test_data_parallel_default_run_reaches_95_percent(tmp_path):
-    stdout = run_recipe("recipes.data_parallel", "--no-progress", "--workdir", str(tmp_path))
+def test_data_parallel_learns_the_digits(tmp_path):
+    # A third of the default run; the default 200 steps reach 0.98 (nox -s first_hour).
+    stdout = run_recipe(
+        "recipes.data_parallel", "--steps", "60", "--no-progress", "--workdir", str(tmp_path)
+    )
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["test_accuracy"] >= 0.95 and summary["test_examples"] == 360
-    assert summary["train_step_compiles"] == 1 and summary["steps"] == 200
+    assert summary["test_accuracy"] >= 0.85 and summary["test_examples"] == 360
+    assert summary["train_step_compiles"] == 1 and summary["steps"] == 60
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
 @pytest.mark.multiprocess  # runs once
-def test_data_parallel_bf16_micro_batches_and_tensorboard_reach_95_percent(tmp_path):
+def test_data_parallel_bf16_micro_batches_and_tensorboard_learn(tmp_path):
     stdout = run_recipe(
         "recipes.data_parallel",
         *("--precision", "bf16", "--microbatches", "4", "--tensorboard"),
-        *("--steps", "100", "--no-progress", "--workdir", str(tmp_path)),
-    )  # 100 steps (0.975): CPUs emulate bfloat16; the 200-step run gives 0.986
+        *("--steps", "40", "--no-progress", "--workdir", str(tmp_path)),
+    )  # 40 steps: CPUs emulate bfloat16; 100 steps give 0.975, the 200-step run 0.986
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["test_accuracy"] >= 0.95 and summary["train_step_compiles"] == 1
+    assert summary["test_accuracy"] >= 0.8 and summary["train_step_compiles"] == 1
     assert summary["hyperparameters"]["precision"] == "bf16"
     assert summary["hyperparameters"]["microbatches"] == 4
     config = json.loads((tmp_path / "config.json").read_text())
