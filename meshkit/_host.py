@@ -24,7 +24,7 @@ def replicated_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def place_global(tree: Any, sharding: NamedSharding) -> Any:
+def place_global(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
     """Places every leaf of ``tree``, a full global value, as a ``jax.Array`` with ``sharding``.
 
     Every process passes the same full values and builds only its own shards from
@@ -45,7 +45,8 @@ def place_global(tree: Any, sharding: NamedSharding) -> Any:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
         if jax.process_count() == 1:
-            return jax.device_put(leaf, sharding)
+            # may_alias=False: a new buffer, so a donating step cannot delete the input.
+            return jax.device_put(leaf, sharding, may_alias=False if copy else None)
         host = np.asarray(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -58,8 +59,10 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     The replacement for ``flax.jax_utils.replicate``: no leading device axis is
     added; each leaf becomes one global ``jax.Array`` with ``PartitionSpec()``. Host
     values are copied straight to this process's devices, with no cross-process
-    communication, so every process must pass the same values. For large sharded
-    state, prefer building it under ``jax.jit(..., out_shardings=...)``.
+    communication, so every process must pass the same values. Like Flax's
+    ``replicate``, the result never shares memory with a ``jax.Array`` passed in, so a
+    train step that donates the result does not delete the caller's array. For large
+    sharded state, prefer building it under ``jax.jit(..., out_shardings=...)``.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -70,7 +73,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"replicate needs a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    return place_global(tree, replicated_sharding(mesh))
+    return place_global(tree, replicated_sharding(mesh), copy=True)
 
 
 def to_host(tree: Any) -> Any:

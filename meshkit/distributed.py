@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Literal
@@ -169,6 +170,38 @@ def backend_started() -> bool:
     return False
 
 
+def launcher_cpu_devices(requested: int, environ: Mapping[str, str] | None = None) -> int:
+    """The fake CPU devices per process to use: the launcher's, when a launcher set them.
+
+    ``meshkit.launch`` (and ``meshkit.testing.run_processes``) start every process
+    with ``JAX_NUM_CPU_DEVICES`` beside ``MESHKIT_NUM_PROCESSES``; a script's own
+    ``cpu_devices`` must not override that count in one process and not the others,
+    so the launcher's wins, with a warning when they differ.
+
+    Examples:
+        >>> launcher_cpu_devices(8, environ={})
+        8
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # "initialize(cpu_devices=8) is ignored: ..."
+        ...     launcher_cpu_devices(8, {"MESHKIT_NUM_PROCESSES": "2", "JAX_NUM_CPU_DEVICES": "4"})
+        4
+    """
+    environ = os.environ if environ is None else environ
+    launched = environ.get("JAX_NUM_CPU_DEVICES")
+    if ENV_NUM_PROCESSES not in environ or launched is None or int(launched) == requested:
+        return requested
+    warnings.warn(
+        f"initialize(cpu_devices={requested}) is ignored: this process was started by "
+        f"meshkit.launch with {launched} fake CPU devices per process "
+        f"(JAX_NUM_CPU_DEVICES={launched}), the count every other process uses. Drop "
+        f"cpu_devices=, or launch with --devices-per-process {requested}.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return int(launched)
+
+
 def is_loopback(address: str) -> bool:
     """Whether ``host:port`` names this machine only (``127.x.x.x``, ``[::1]``, ``localhost``).
 
@@ -290,7 +323,7 @@ def initialize(
         )
     if cpu_devices is not None:
         check_int(cpu_devices, name="cpu_devices", minimum=1)
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
+        jax.config.update("jax_num_cpu_devices", launcher_cpu_devices(cpu_devices))
     if launch.mode == "single":
         return launch
     address = launch.coordinator_address

@@ -83,3 +83,12 @@ def test_replicate_and_to_host_round_trip():
     assert isinstance(back["w"], np.ndarray)
     with pytest.raises(TypeError, match=r"needs a jax\.sharding\.Mesh"):
         meshkit.replicate(tree, "data")  # type: ignore[arg-type]
+
+
+def test_replicate_copies_a_device_array_so_a_donating_step_cannot_delete_it():
+    mesh = meshkit.make_mesh("data=-1")
+    original = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, P()))
+    placed = meshkit.replicate({"w": original}, mesh)["w"]
+    donating = jax.jit(lambda x: x + 1, donate_argnums=0)
+    assert donating(placed).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert not original.is_deleted() and original.tolist() == [0.0, 1.0, 2.0, 3.0]

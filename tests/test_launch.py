@@ -54,7 +54,7 @@ def test_the_processes_form_one_jax_runtime(tmp_path: Path):
     # Results go to files: JAX's own threads print to the same pipe at the same time.
     code = textwrap.dedent(f"""
         import os, meshkit
-        meshkit.distributed.initialize()
+        meshkit.distributed.initialize(cpu_devices=8)  # the launcher's -d 2 wins
         import jax, jax.numpy as jnp, numpy as np
         mesh = meshkit.make_mesh("data=-1")
         rows = meshkit.shard_batch(np.full((2, 1), jax.process_index() + 1.0, np.float32),
@@ -67,6 +67,7 @@ def test_the_processes_form_one_jax_runtime(tmp_path: Path):
     result = run_launcher(code, "-n", "2", "-d", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert [(tmp_path / str(rank)).read_text() for rank in range(2)] == ["2 4 6.0"] * 2
+    assert "initialize(cpu_devices=8) is ignored" in result.stdout + result.stderr
 
 
 def test_a_failing_process_stops_the_others_and_sets_the_exit_code():
