@@ -11,6 +11,7 @@ import types
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from tensorboardX.proto import event_pb2
@@ -30,12 +31,15 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
 
 
-def run_fit(workdir, *, num_steps=20, schedule=None, eval_every=None, writers=(), **kwargs):
+def run_fit(
+    workdir, *, num_steps=20, schedule=None, eval_every=None, writers=(), state=None, **kwargs
+):
     mesh = meshkit.make_mesh("data=1", devices=jax.devices()[:1])  # the features, not the mesh
     sharding = meshkit.batch_sharding(mesh)
     schedule = schedule or optax.linear_schedule(0.1, 0.0, 40)
     model = train.linen_model(MLP(), jnp.zeros((1, 8, 8, 1)))
-    state = train.create_train_state(model, optax.sgd(schedule, momentum=0.9), mesh)
+    if state is None:
+        state = train.create_train_state(model, optax.sgd(schedule, momentum=0.9), mesh)
     step = train.make_train_step(
         train.classification_loss, train.state_shardings_of(state), sharding
     )
@@ -130,6 +134,35 @@ def test_a_resumed_run_hides_the_steps_an_earlier_run_recorded_after_its_checkpo
         json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == sorted(steps) and steps.count(15) == 1
+
+
+def test_a_state_trained_elsewhere_continues_from_its_own_step(tmp_path):
+    whole = run_fit(tmp_path / "whole", num_steps=15)
+    first = run_fit(tmp_path / "first", num_steps=8)
+    assert int(first.state.step) == 8
+    # A new workdir, no checkpoint: the run continues from state.step, to 15 in all.
+    rest = run_fit(tmp_path / "rest", num_steps=15, state=first.state)
+    assert rest.step == 15 and int(rest.state.step) == 15
+    records = [json.loads(line) for line in (tmp_path / "rest" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r] == [10, 15]
+    whole_records = {
+        r["step"]: r
+        for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").open())
+        if "learning_rate" in r
+    }
+    for record in records:
+        if "learning_rate" in record:  # the schedule's value at the run's own steps
+            assert record["learning_rate"] == whole_records[record["step"]]["learning_rate"]
+    assert train.Checkpointer(tmp_path / "rest" / "checkpoints", save_every=1).latest_step() == 15
+    # The pipeline continued at batch 8: the same run as one never split.
+    for got, want in zip(
+        jax.tree.leaves(meshkit.to_host(rest.state.params)),
+        jax.tree.leaves(meshkit.to_host(whole.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"already taken 15 steps.*num_steps=55"):
+        run_fit(tmp_path / "again", num_steps=10, state=rest.state)
 
 
 def test_early_stopping_saves_and_stops_at_the_next_step(tmp_path):

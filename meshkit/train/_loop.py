@@ -9,11 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 from tqdm import tqdm
 
 from meshkit._compiles import count_compiles
+from meshkit._host import to_host
 from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path
 from meshkit._types import Batch, Metrics
@@ -79,7 +81,7 @@ def fit(
     logging: Logging | None = None,
     dispatch: Dispatch | None = None,
     hooks: Sequence[Hook] = (),
-    start_step: int = 0,
+    start_step: int | None = None,
     **deprecated: Any,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
@@ -122,9 +124,15 @@ def fit(
         (``default_max_in_flight(mesh)`` steps, no profile).
       hooks: called at log, evaluation and checkpoint boundaries with a ``Boundary``;
         one returning ``True`` stops the run after saving (``EarlyStopping``).
-      start_step: where a run with no checkpoint in ``workdir`` starts: the pipeline's
-        batch and the step count of ``state``, which has already trained this many
-        steps (a later stage of ``meshkit.sweep.run_sweep``). A checkpoint overrides it.
+      start_step: where a run with no checkpoint in ``workdir`` starts. ``None`` (the
+        default): at ``state.step``, so a state that trained elsewhere (imported,
+        restored by hand, or returned by another ``fit``) continues from its own step:
+        records, checkpoint names and logged learning rates count on from it, and the
+        pipeline continues at batch ``state.step``, where an uninterrupted run would
+        be. ``num_steps`` is always the total, so a state at step 200 trained to
+        ``num_steps=240`` takes 40 more steps. An int overrides ``state.step`` (an
+        ensemble whose members are at different steps). A checkpoint in ``workdir``
+        overrides both.
       **deprecated: the keywords of earlier releases (``eval_pipeline``,
         ``eval_every``, ``per_example_fn``, ``checkpoint_every``, ``keep_checkpoints``,
         ``checkpoint_dir``, ``log_every``, ``progress``, ``writers``,
@@ -168,10 +176,6 @@ def fit(
     )
     del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
     _check_steps(num_steps, pipeline)
-    if not 0 <= start_step <= num_steps:
-        raise ValueError(
-            f"start_step must be between 0 and num_steps={num_steps}, got {start_step!r}."
-        )
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = settings.dispatch.window(mesh)
@@ -180,8 +184,11 @@ def fit(
     checkpointer = settings.checkpoints.checkpointer(workdir)
     resumed = checkpointer.resume(state)  # the newest intact checkpoint
     data_state = None if resumed is None else resumed.data
-    if data_state is None and start_step:
-        data_state = {"step": start_step, **pipeline.state_fields()}
+    if data_state is None:
+        first = state_step(state) if start_step is None else start_step
+        _check_start(first, num_steps, given=start_step is not None)
+        if first:
+            data_state = {"step": first, **pipeline.state_fields()}
     state = state if resumed is None else resumed.state
     start = 0 if data_state is None else int(data_state["step"])
     records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)
@@ -226,6 +233,36 @@ def fit(
         wall=time.perf_counter() - began,
         batches=batches,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
+    )
+
+
+def state_step(state: Any) -> int:
+    """The step ``state`` has reached: its ``step`` (0 without one); one value for all members.
+
+    Raises:
+      ValueError: the members of an ensemble state are at different steps.
+    """
+    step = getattr(state, "step", None)
+    if step is None:
+        return 0
+    steps = np.unique(np.asarray(to_host(step)))
+    if steps.size != 1:
+        raise ValueError(
+            f"The state's members are at different steps {steps.tolist()}: fit cannot tell "
+            "where the run continues. Pass start_step= (the pipeline step to continue at)."
+        )
+    return int(steps[0])
+
+
+def _check_start(first: int, num_steps: int, *, given: bool) -> None:
+    if 0 <= first <= num_steps:
+        return
+    if given:
+        raise ValueError(f"start_step must be between 0 and num_steps={num_steps}, got {first!r}.")
+    raise ValueError(
+        f"The state has already taken {first} steps (state.step), more than num_steps="
+        f"{num_steps}: num_steps counts from the start of the run, so to train 40 more "
+        f"steps pass num_steps={first + 40}."
     )
 
 
