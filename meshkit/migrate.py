@@ -1,0 +1,241 @@
+"""Finds pmap-era code: ``python -m meshkit.migrate PATH...`` lists each idiom and its replacement.
+
+The files are parsed, never run. Each finding names the file and line, the idiom, what
+replaces it in meshkit and the section of the pmap guide (docs/pmap.md) that shows it.
+The exit code is 1 when anything was found, so the check can run in a project's CI.
+
+Examples:
+    >>> source = '''
+    ... import jax
+    ... from flax import jax_utils
+    ... state = jax_utils.replicate(state)
+    ... step = jax.pmap(train_step, axis_name="batch")
+    ... '''
+    >>> for finding in scan_source(source, "train.py"):
+    ...     print(finding.line, finding.idiom)
+    4 flax.jax_utils.replicate
+    5 jax.pmap
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+GUIDE = "docs/pmap.md#what-replaces-what"
+
+# full dotted name -> what replaces it
+CALLS: dict[str, str] = {
+    "jax.pmap": "jax.jit with shardings on a mesh from meshkit.make_mesh('data=-1')",
+    "jax.lax.pmean": "nothing inside a jit over sharded data (a mean over the global array); "
+    "jax.shard_map where per-device code is really wanted",
+    "jax.lax.psum": "a jnp.sum over the global array inside the jit; jax.shard_map for "
+    "per-device code",
+    "jax.lax.axis_index": "rarely needed; jax.lax.axis_index('data') inside jax.shard_map",
+    "jax.device_put_sharded": "meshkit.shard_batch(batch, meshkit.batch_sharding(mesh))",
+    "jax.device_put_replicated": "meshkit.replicate(tree, mesh)",
+    "flax.jax_utils.replicate": "meshkit.replicate(tree, mesh), or create the state under "
+    "jit with out_shardings (meshkit.train.create_train_state)",
+    "flax.jax_utils.unreplicate": "meshkit.to_host(tree), or keep the global array",
+    "flax.jax_utils.prefetch_to_device": "nothing: fit's GlobalBatchIterator places batches "
+    "ahead of their steps",
+    "flax.jax_utils.pad_shard_unpad": "meshkit.evaluate.full_eval (or "
+    "meshkit.evaluate.pad_shard_unpad)",
+    "flax.training.common_utils.shard": "meshkit.shard_batch(batch, sharding): no leading "
+    "device axis",
+    "flax.training.common_utils.shard_prng_key": "nothing: one key; state.step_rng() per step",
+    "flax.training.common_utils.get_metrics": "fit's logged interval means, or "
+    "meshkit.to_host(metrics)",
+    "flax.training.checkpoints.save_checkpoint": "fit's Checkpoints(every=...) or "
+    "meshkit.train.Checkpointer",
+    "flax.training.checkpoints.restore_checkpoint": "fit resumes from its workdir; "
+    "meshkit.train.Checkpointer.restore",
+    "flax.training.dynamic_scale.DynamicScale": "create_train_state(..., precision='f16'): a "
+    "dynamic loss scale in the state",
+    "jax.local_device_count": "the global batch size: TrainPipeline(global_batch_size=...) "
+    "and shard_batch split it; no reshape to (devices, per_device, ...)",
+}
+CALL_NAMES: dict[str, str] = {  # calls of these names, wherever they are defined
+    "sync_batch_stats": "nothing: batch_stats is one global array in state.collections",
+    "cross_replica_mean": "nothing: values under jit are global arrays",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One pmap-era idiom in a file.
+
+    Attributes:
+      path: the file.
+      line: its line number.
+      idiom: what was found (a dotted name, or a description).
+      replacement: what replaces it in meshkit.
+    """
+
+    path: str
+    line: int
+    idiom: str
+    replacement: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.idiom}: {self.replacement} ({GUIDE})"
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    """Local name -> the dotted name it stands for, from the module's imports."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+                else:
+                    root = alias.name.split(".")[0]
+                    names[root] = root
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node: ast.expr, imports: dict[str, str]) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    root = imports.get(node.id, node.id)
+    return ".".join([root, *reversed(parts)])
+
+
+def _is_device_count(node: ast.expr, imports: dict[str, str]) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    name = _dotted(node.func, imports)
+    return name in ("jax.device_count", "jax.local_device_count")
+
+
+class _Finder(ast.NodeVisitor):
+    def __init__(self, path: str, imports: dict[str, str]):
+        self.path = path
+        self.imports = imports
+        self.findings: list[Finding] = []
+
+    def add(self, node: ast.AST, idiom: str, replacement: str) -> None:
+        self.findings.append(Finding(self.path, getattr(node, "lineno", 0), idiom, replacement))
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._name(node)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        self._name(node)
+
+    def _name(self, node: ast.Attribute | ast.Name) -> None:
+        name = _dotted(node, self.imports)
+        if name in CALLS:
+            self.add(node, name, CALLS[name])
+        else:
+            self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = _dotted(node.func, self.imports) or ""
+        short = name.split(".")[-1]
+        if short in CALL_NAMES:
+            self.add(node, short, CALL_NAMES[short])
+        target = short
+        if name in ("functools.partial", "partial") and node.args:  # partial(nn.BatchNorm, ...)
+            target = (_dotted(node.args[0], self.imports) or "").split(".")[-1]
+        if target == "BatchNorm" and any(k.arg == "axis_name" for k in node.keywords):
+            self.add(
+                node,
+                "BatchNorm(axis_name=...)",
+                "drop axis_name: under jit the batch statistics are already global",
+            )
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        if isinstance(node.op, ast.Mult) and (
+            _is_device_count(node.left, self.imports) or _is_device_count(node.right, self.imports)
+        ):
+            self.add(
+                node,
+                "a value scaled by the device count",
+                "scale by the global batch size instead (it stays the same when devices change)",
+            )
+            return
+        self.generic_visit(node)
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        bases = [(_dotted(base, self.imports) or "").split(".")[-1] for base in node.bases]
+        fields = [
+            item.target.id
+            for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+        ]
+        if "TrainState" in bases and "batch_stats" in fields:
+            self.add(
+                node,
+                "a TrainState subclass with batch_stats",
+                "meshkit.train.TrainState: batch_stats live in state.collections",
+            )
+        self.generic_visit(node)
+
+
+def scan_source(source: str, path: str = "<source>") -> list[Finding]:
+    """Every pmap-era idiom in Python ``source``, in line order."""
+    tree = ast.parse(source, filename=path)
+    finder = _Finder(path, _imports(tree))
+    finder.visit(tree)
+    unique = {(f.line, f.idiom): f for f in finder.findings}
+    return sorted(unique.values(), key=lambda f: (f.line, f.idiom))
+
+
+def _python_files(paths: Sequence[str]) -> Iterator[Path]:
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            yield from sorted(p for p in path.rglob("*.py") if ".venv" not in p.parts)
+        else:
+            yield path
+
+
+def scan_paths(paths: Sequence[str]) -> list[Finding]:
+    """Every pmap-era idiom in the Python files at ``paths`` (files or folders)."""
+    findings: list[Finding] = []
+    for path in _python_files(paths):
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or folder to check.")
+        try:
+            findings += scan_source(path.read_text(encoding="utf-8"), str(path))
+        except SyntaxError as error:
+            raise SyntaxError(f"{path} is not valid Python: {error}") from None
+    return findings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m meshkit.migrate PATH...``: prints the findings; 1 if any, else 0."""
+    parser = argparse.ArgumentParser(
+        prog="python -m meshkit.migrate",
+        description="List the pmap-era idioms in Python files and what replaces each.",
+    )
+    parser.add_argument("paths", nargs="+", help="Python files or folders")
+    args = parser.parse_args(argv)
+    try:
+        findings = scan_paths(args.paths)
+    except (FileNotFoundError, SyntaxError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for finding in findings:
+        print(finding)
+    files = len({f.path for f in findings})
+    print(f"{len(findings)} pmap-era idiom(s) in {files} file(s)." if findings else "none found")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

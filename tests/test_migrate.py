@@ -1,0 +1,174 @@
+"""``python -m meshkit.migrate`` finds every pmap-era idiom of the Flax examples' style,
+and nothing in meshkit's own recipes."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from meshkit import migrate
+
+pytestmark = pytest.mark.once  # reads source text; no devices involved
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# In the style of Flax's pmap ImageNet example (train.py and models.py).
+IMAGENET = """
+import functools
+import jax
+from jax import lax
+import jax.numpy as jnp
+import flax
+from flax import jax_utils
+from flax.training import checkpoints, common_utils, dynamic_scale as dynamic_scale_lib
+from flax.training import train_state
+import flax.linen as nn
+import optax
+
+
+class TrainState(train_state.TrainState):
+    batch_stats: dict
+    dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+class ResNetBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        norm = functools.partial(nn.BatchNorm, use_running_average=False, axis_name="batch")
+        return norm()(x)
+
+
+def create_learning_rate_fn(config, base_learning_rate, steps_per_epoch):
+    return base_learning_rate
+
+
+def train_step(state, batch, learning_rate_fn):
+    grads = lax.pmean(grads, axis_name="batch")
+    metrics = lax.pmean(metrics, axis_name="batch")
+    return state, metrics
+
+
+def sync_batch_stats(state):
+    cross_replica_mean = jax.pmap(lambda x: lax.pmean(x, "x"), "x")
+    return state.replace(batch_stats=cross_replica_mean(state.batch_stats))
+
+
+def prepare_tf_data(xs):
+    local_device_count = jax.local_device_count()
+    return xs.reshape((local_device_count, -1) + xs.shape[1:])
+
+
+def create_input_iter(ds):
+    it = map(prepare_tf_data, ds)
+    return jax_utils.prefetch_to_device(it, 2)
+
+
+def train_and_evaluate(config, workdir):
+    base_learning_rate = config.learning_rate * config.batch_size / 256.0
+    dynamic_scale = dynamic_scale_lib.DynamicScale()
+    state = checkpoints.restore_checkpoint(workdir, state)
+    state = jax_utils.replicate(state)
+    p_train_step = jax.pmap(functools.partial(train_step), axis_name="batch")
+    train_metrics = common_utils.get_metrics(train_metrics)
+    state = sync_batch_stats(state)
+    checkpoints.save_checkpoint(workdir, jax_utils.unreplicate(state), step=0)
+"""
+
+# In the style of the Flax MNIST / ensembling HOWTO pmap programs.
+HOWTO = """
+import jax
+import jax.numpy as jnp
+from flax.training import common_utils
+from flax.jax_utils import pad_shard_unpad, replicate
+
+
+@jax.pmap
+def apply_model(state, images, labels):
+    probs = jax.lax.pmean(jax.nn.softmax(logits), axis_name="ensemble")
+    index = jax.lax.axis_index("ensemble")
+    total = jax.lax.psum(1, "ensemble")
+    return probs
+
+
+def train_epoch(state, train_ds, batch_size, rng):
+    rngs = common_utils.shard_prng_key(rng)
+    batch = common_utils.shard(batch)
+    images = jax.device_put_sharded(list(images), jax.local_devices())
+    state = jax.device_put_replicated(state, jax.local_devices())
+    learning_rate = 0.1 * jax.device_count()
+    evaluate = pad_shard_unpad(apply_model)
+    return replicate(state)
+"""
+
+
+def line_of(source: str, text: str, occurrence: int = 0) -> int:
+    """The line number of the ``occurrence``-th line of ``source`` that contains ``text``."""
+    lines = [n for n, line in enumerate(source.splitlines(), 1) if text in line]
+    return lines[occurrence]
+
+
+def found(findings) -> dict[str, set[int]]:
+    lines: dict[str, set[int]] = {}
+    for finding in findings:
+        lines.setdefault(finding.idiom, set()).add(finding.line)
+    return lines
+
+
+def test_every_idiom_of_the_imagenet_example_is_found():
+    lines = found(migrate.scan_source(IMAGENET, "train.py"))
+    at = functools.partial(line_of, IMAGENET)
+    assert lines == {
+        "a TrainState subclass with batch_stats": {at("class TrainState")},
+        "flax.training.dynamic_scale.DynamicScale": {
+            at("dynamic_scale: dynamic_scale_lib"),
+            at("dynamic_scale = dynamic_scale_lib"),
+        },
+        "BatchNorm(axis_name=...)": {at("nn.BatchNorm")},
+        "jax.lax.pmean": {at("grads = lax.pmean"), at("metrics = lax.pmean"), at("lax.pmean(x")},
+        "jax.pmap": {at("jax.pmap(lambda"), at("p_train_step")},
+        "cross_replica_mean": {at("cross_replica_mean(state")},
+        "jax.local_device_count": {at("jax.local_device_count()")},
+        "flax.jax_utils.prefetch_to_device": {at("prefetch_to_device")},
+        "flax.training.checkpoints.restore_checkpoint": {at("restore_checkpoint")},
+        "flax.jax_utils.replicate": {at("jax_utils.replicate")},
+        "flax.training.common_utils.get_metrics": {at("get_metrics")},
+        "sync_batch_stats": {at("state = sync_batch_stats")},
+        "flax.training.checkpoints.save_checkpoint": {at("save_checkpoint")},
+        "flax.jax_utils.unreplicate": {at("unreplicate")},
+    }
+
+
+def test_every_idiom_of_the_ensembling_howto_is_found():
+    lines = found(migrate.scan_source(HOWTO, "howto.py"))
+    at = functools.partial(line_of, HOWTO)
+    assert lines == {
+        "jax.pmap": {at("@jax.pmap")},
+        "jax.lax.pmean": {at("pmean")},
+        "jax.lax.axis_index": {at("axis_index")},
+        "jax.lax.psum": {at("psum")},
+        "flax.training.common_utils.shard_prng_key": {at("shard_prng_key")},
+        "flax.training.common_utils.shard": {at("common_utils.shard(")},
+        "jax.device_put_sharded": {at("device_put_sharded")},
+        "jax.device_put_replicated": {at("device_put_replicated")},
+        "a value scaled by the device count": {at("0.1 * jax.device_count()")},
+        "flax.jax_utils.pad_shard_unpad": {at("= pad_shard_unpad")},
+        "flax.jax_utils.replicate": {at("return replicate")},
+    }
+
+
+def test_meshkits_own_recipes_have_no_pmap_idiom(capsys):
+    assert migrate.main([str(ROOT / "recipes")]) == 0
+    assert capsys.readouterr().out.strip() == "none found"
+
+
+def test_the_command_lists_findings_and_exits_1(tmp_path: Path, capsys):
+    (tmp_path / "train.py").write_text(IMAGENET)
+    assert migrate.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    line = line_of(IMAGENET, "p_train_step")
+    assert f"{tmp_path / 'train.py'}:{line}: jax.pmap: jax.jit with shardings" in out
+    assert "docs/pmap.md#what-replaces-what" in out and "pmap-era idiom(s) in 1 file(s)" in out
+    assert migrate.main([str(tmp_path / "missing.py")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
