@@ -3,7 +3,8 @@
 The blocks of one page run in order, in one namespace (a fresh one per page), so a
 page may build on its earlier blocks. Shell commands are ```bash blocks and output is
 ```text; neither runs. Blocks use only the devices that exist (``data=-1`` meshes or
-``jax.device_count()`` guards), so the pages pass at 1 and at 8 fake devices.
+``jax.device_count()`` guards); they run in the 8-device pass, where a block that
+assumed one device would fail.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.once  # the pages' code, once: at 8 devices
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
