@@ -13,10 +13,9 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 
 
-# pytest-xdist workers for every pass: one per core, at most 4. Each worker is a JAX
-# process with its own fake devices; a test file stays on one worker, so the compiled
-# functions its tests share are compiled once. Multi-process tests start their own
-# processes, on free ports of their own.
+# pytest-xdist workers for the single-process passes: one per core, at most 4. Each
+# worker is a JAX process with its own fake devices; a test file stays on one worker, so
+# the compiled functions its tests share are compiled once.
 WORKERS = str(min(os.cpu_count() or 1, 4))
 
 
@@ -39,7 +38,9 @@ def tests(session: nox.Session) -> None:
     session.run(
         "pytest", "-m", "not multiprocess", *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8"}
     )
-    session.run("pytest", "tests", "-m", "multiprocess", *parallel, *args)
+    # One at a time: each starts JAX processes of its own, and the signal and timing
+    # tests among them need the cores they were written for.
+    session.run("pytest", "tests", "-m", "multiprocess", *args)
 
 
 @nox.session(python=PYTHON)
