@@ -27,21 +27,12 @@ from meshkit.ensemble import (
 from meshkit.ensemble._strategy import MemberStrategy
 from meshkit.evaluate import full_eval
 from meshkit.sweep._results import SweepResult, Trial
-from meshkit.sweep._schedules import (
-    Decision,
-    Mode,
-    PopulationBasedTraining,
-    Schedule,
-    SuccessiveHalving,
-    halving_decision,
-    pbt_decision,
-)
-from meshkit.sweep._space import Point, Space, Value, check_points
+from meshkit.sweep._schedules import Decision, Mode, Schedule, SuccessiveHalving, decide
+from meshkit.sweep._space import SEED_NAMES, Point, Space, Value, check_points
 from meshkit.sweep._state import (
     create_sweep_state,
     init_keys,
     init_members,
-    split_names,
     value_arrays,
 )
 from meshkit.sweep._values import set_hyperparameters
@@ -226,8 +217,7 @@ def run_sweep(
             "SuccessiveHalving(refill=True) fills stopped slots with points drawn from a "
             "space: pass space= (the Space the points came from), or refill=False."
         )
-    optimizer_names, loss_names = split_names(checked, tx, model, tuple(loss_values))
-    names = optimizer_names + loss_names
+    names = tuple(name for name in checked[0] if name not in SEED_NAMES)  # checked above
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
@@ -277,7 +267,7 @@ def run_sweep(
         if end == num_steps:
             break
         scored = np.array([trials[t].score() for t in slots], np.float64)
-        decision = _decide(
+        decision = decide(
             schedule,
             step=end,
             scores=scored,
@@ -319,34 +309,6 @@ def run_sweep(
 def _member_metrics(measured: Mapping[str, float], slot: int) -> dict[str, float]:
     prefix = f"member_{slot}/"
     return {k[len(prefix) :]: float(v) for k, v in measured.items() if k.startswith(prefix)}
-
-
-def _decide(
-    schedule: Schedule | None,
-    *,
-    step: int,
-    scores: np.ndarray,
-    active: np.ndarray,
-    points: Sequence[Point],
-    mode: Mode,
-    space: Space | None,
-    seed: int,
-) -> Decision:
-    if isinstance(schedule, SuccessiveHalving):
-        return halving_decision(
-            schedule,
-            step=step,
-            scores=scores,
-            active=active,
-            points=points,
-            mode=mode,
-            space=space,
-            seed=seed,
-        )
-    assert isinstance(schedule, PopulationBasedTraining)
-    return pbt_decision(
-        schedule, step=step, scores=scores, points=points, mode=mode, space=space, seed=seed
-    )
 
 
 def _apply(

@@ -196,3 +196,32 @@ def pbt_decision(
     return Decision(
         source, np.zeros(num, bool), np.ones(num, bool), tuple(new_points), tuple(sorted(bottom))
     )
+
+
+def decide(
+    schedule: Schedule | None,
+    *,
+    step: int,
+    scores: np.ndarray,
+    active: np.ndarray,
+    points: Sequence[Point],
+    mode: Mode,
+    space: Space | None,
+    seed: int,
+) -> Decision:
+    """The decision ``schedule`` makes at ``step`` (halving reads ``active``; PBT does not)."""
+    if isinstance(schedule, SuccessiveHalving):
+        return halving_decision(
+            schedule,
+            step=step,
+            scores=scores,
+            active=active,
+            points=points,
+            mode=mode,
+            space=space,
+            seed=seed,
+        )
+    assert isinstance(schedule, PopulationBasedTraining)
+    return pbt_decision(
+        schedule, step=step, scores=scores, points=points, mode=mode, space=space, seed=seed
+    )
