@@ -53,7 +53,7 @@ CALLS: dict[str, str] = {
     "flax.training.checkpoints.save_checkpoint": "fit's Checkpoints(every=...) or "
     "meshkit.train.Checkpointer",
     "flax.training.checkpoints.restore_checkpoint": "fit resumes from its workdir; "
-    "meshkit.train.Checkpointer.restore",
+    "meshkit.train.import_flax_checkpoint(dir, state) reads the old program's checkpoints",
     "flax.training.dynamic_scale.DynamicScale": "create_train_state(..., precision='f16'): a "
     "dynamic loss scale in the state",
     "jax.local_device_count": "the global batch size: TrainPipeline(global_batch_size=...) "
@@ -154,7 +154,8 @@ class _Finder(ast.NodeVisitor):
             self.add(
                 node,
                 "BatchNorm(axis_name=...)",
-                "drop axis_name: under jit the batch statistics are already global",
+                "drop axis_name: under jit the batch statistics are already global (or keep "
+                "the model and wrap it: meshkit.train.per_device(model, mesh, axis_name=...))",
             )
         self.generic_visit(node)
 

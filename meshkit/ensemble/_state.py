@@ -42,6 +42,13 @@ def _init_ensemble(
     seed: int,
     precision: Precision,
 ) -> TrainState:
+    if model.devices:
+        raise ValueError(
+            "meshkit.ensemble got a model wrapped by meshkit.train.per_device. Ensemble "
+            "members already run per device (batch statistics over each device's rows, as "
+            "pmap without axis_name): pass the model without per_device, and drop "
+            "axis_name from its BatchNorm layers."
+        )
     # A loop over the members (lax.map), not vmap: it runs once, and with several members
     # per device it compiles about twice as fast as the vmapped init (measured in the
     # ensembles guide). The partitioned loop still allocates only each device's members.

@@ -185,8 +185,9 @@ def run_sweep(
     same arguments resumes and makes the same decisions, ending with the same table.
 
     Args:
-      model, tx: the model and the optimizer; sweep optimizer hyperparameters by
-        wrapping it in ``optax.inject_hyperparams``.
+      model: the model (``linen_model`` or ``nnx_model``).
+      tx: the optimizer; sweep optimizer hyperparameters by wrapping it in
+        ``optax.inject_hyperparams``.
       loss_fn: one member's loss (``meshkit.ensemble.classification_loss``, or one that
         reads ``hyperparameter(state, name)``).
       layout: the ``EnsembleLayout`` with ``len(points)`` members.
@@ -195,17 +196,20 @@ def run_sweep(
       eval_pipeline: the data members are scored on.
       num_steps: training steps of every member.
       workdir: where stages, ``sweep.json``, ``results.json`` and ``best/`` go.
-      metric, mode: the score (a per-member metric of ``per_example_fn``) and whether
-        higher (``"max"``) or lower is better.
+      metric: the score, a per-member metric of ``per_example_fn``.
+      mode: whether higher (``"max"``) or lower (``"min"``) scores are better.
       per_example_fn: the evaluation (``ensemble_metrics(layout)`` by default).
       schedule: ``None``, ``SuccessiveHalving`` or ``PopulationBasedTraining``.
       space: where refilled and resampled points come from.
       loss_values: the points' names the loss reads (not optimizer hyperparameters).
       seed: the init seed of points without ``init_seed``, and the schedule's seed.
-      precision, microbatches, strategy: as for the ensemble step.
+      precision: the members' precision policy, as for ``create_ensemble_state``.
+      microbatches: gradient accumulation steps, as for the ensemble step.
+      strategy: how each device runs its members, as for the ensemble step.
       eval_every: also evaluate every member this often during each stage (written to
         the stage's ``metrics.jsonl`` and writers).
-      checkpoints, logging: each stage's ``fit`` settings.
+      checkpoints: each stage's ``fit`` checkpoint settings.
+      logging: each stage's ``fit`` logging settings.
     """
     checked = check_points(points)
     state = create_sweep_state(

@@ -13,9 +13,11 @@ from meshkit.train._gradients import gradients as gradients
 from meshkit.train._hooks import Boundary as Boundary
 from meshkit.train._hooks import EarlyStopping as EarlyStopping
 from meshkit.train._hooks import Hook as Hook
+from meshkit.train._import import import_flax_checkpoint as import_flax_checkpoint
 from meshkit.train._interval import MetricSums as MetricSums
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import fit as fit
+from meshkit.train._per_device import per_device as per_device
 from meshkit.train._precision import LossScale as LossScale
 from meshkit.train._precision import Precision as Precision
 from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE

@@ -36,10 +36,13 @@ class Model:
       init: ``init(rng) -> variables`` (``{"params": ..., other collections...}``).
       apply: ``apply(variables, inputs, *, train, rngs, mutable)``; with a non-empty
         ``mutable`` list it returns ``(outputs, updated_collections)``, like linen.
+      devices: for a model wrapped by ``per_device``, the number of devices it splits
+        every batch over; 0 for a model that runs on the whole batch.
     """
 
     init: InitFn
     apply: ApplyFn
+    devices: int = 0
 
 
 def linen_model(module: nn.Module, sample_input: Any) -> Model:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -58,7 +60,7 @@ def apply_model(
     mutable = (list(state.collections) or False) if training else False
     policy = state.precision
     params = state.params if params is None else params
-    with state.logical_scope():
+    with state.logical_scope(), _unbound_axis_hint():
         out = state.apply_fn(
             {"params": policy.to_compute(params), **state.collections},
             policy.to_compute(inputs),
@@ -68,6 +70,29 @@ def apply_model(
         )
     outputs, collections = out if mutable else (out, {})
     return policy.to_output(outputs), dict(collections)
+
+
+@contextlib.contextmanager
+def _unbound_axis_hint() -> Iterator[None]:
+    """Turns JAX's ``unbound axis name`` error from a pmap-era model into its fix."""
+    try:
+        yield
+    except NameError as error:
+        match = re.search(r"unbound axis name: (\S+)", str(error))
+        if match is None:
+            raise
+        name = match.group(1).rstrip(".")
+        raise NameError(
+            f"The model calls a collective over the axis {name!r} (in a pmap program, e.g. "
+            f"nn.BatchNorm(axis_name={name!r}) or lax.pmean(x, {name!r})), but a jitted step "
+            "binds no axis names. Either drop the axis name from the model: under jit, "
+            "batch statistics are computed over the whole global batch already, which is "
+            f"what the pmap program's axis_name={name!r} gave; or keep the model as it is "
+            f"and wrap it: meshkit.train.per_device(model, mesh, axis_name={name!r}) runs it "
+            "once per device as pmap did (not for meshkit.ensemble, whose members already "
+            "run per device: drop the axis name there). See 'Collectives and BatchNorm' in "
+            "docs/pmap.md."
+        ) from error
 
 
 def classification_loss(

@@ -1,0 +1,282 @@
+"""Reading a checkpoint written by a pmap-era Flax program into a meshkit train state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import serialization
+
+from meshkit._host import place_global
+from meshkit.train._precision import LossScale
+from meshkit.train._state import TrainState
+
+# Flax's DynamicScale fields and the LossScale fields they become.
+_DYNAMIC_SCALE = {"scale": "scale", "fin_steps": "good_steps"}
+
+
+def import_flax_checkpoint(
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    step: int | None = None,
+    ignore: Sequence[str] = (),
+) -> TrainState:
+    """``state`` with the values of a checkpoint written by ``flax.training.checkpoints``.
+
+    For programs of the ``pmap`` era, such as Flax's ImageNet and MNIST examples:
+    their ``TrainState`` (a ``flax.training.train_state.TrainState``, often with
+    ``batch_stats`` and ``dynamic_scale`` fields) was saved with
+    ``checkpoints.save_checkpoint``, in Orbax's format or the older msgpack one. Both
+    are read, unreplicated (``jax_utils.unreplicate`` before saving, as the examples
+    do) or replicated (a leading device axis on every leaf). The checkpoint's
+    ``step``, ``params``, ``opt_state``, every collection of ``state`` (``batch_stats``)
+    and ``dynamic_scale`` (into ``state.loss_scale``: its ``scale`` and ``fin_steps``)
+    replace the state's values, each placed in the sharding of the leaf it replaces;
+    the dropout key and everything static stay ``state``'s.
+
+    Build ``state`` with ``create_train_state`` from the same model and optimizer as the
+    program that wrote the checkpoint: optimizer states are matched by their structure
+    (an optax chain saved as ``{"0": ..., "1": ...}`` or as a tuple), so the optax
+    transformation must be the same chain. Continue with
+    ``fit(..., num_steps=...)``: it counts on from the imported step.
+
+    A replicated checkpoint's replicas must agree for the step, parameters and
+    optimizer state (they did in a ``pmap`` program); batch statistics are averaged
+    over the replicas, which is what ``sync_batch_stats`` did before the examples
+    evaluated or saved.
+
+    Every process reads the whole checkpoint (as the examples wrote it), so a
+    multi-process job calls this on every process with the same path.
+
+    Args:
+      path: the directory ``save_checkpoint`` wrote into (the newest
+        ``checkpoint_<step>`` in it is read), or one ``checkpoint_<step>`` directory
+        or file.
+      state: the train state to fill, which fixes structure, shapes and shardings.
+      step: read ``checkpoint_<step>`` of the directory instead of the newest.
+      ignore: top-level fields or path prefixes (``"epoch"``,
+        ``"dynamic_scale"``, ``"params/head"``) of the checkpoint to leave out, and
+        of the state to keep as they are.
+
+    Raises:
+      FileNotFoundError: no checkpoint at ``path``.
+      ValueError: paths that do not match, listed (in the checkpoint only, in the
+        state only, different shapes), or replicas that disagree.
+
+    Examples:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, flax.linen as nn, meshkit
+        >>> from flax.training import checkpoints, train_state
+        >>> from meshkit.train import create_train_state, import_flax_checkpoint, linen_model
+        >>> module = nn.Dense(3)
+        >>> params = module.init(jax.random.key(7), jnp.ones((1, 2)))["params"]
+        >>> old = train_state.TrainState.create(apply_fn=module.apply, params=params,
+        ...                                     tx=optax.adam(1e-3))
+        >>> workdir = tempfile.mkdtemp()
+        >>> _ = checkpoints.save_checkpoint(workdir, old.replace(step=200), step=200)
+        >>> state = create_train_state(linen_model(module, jnp.ones((1, 2))),
+        ...                            optax.adam(1e-3), meshkit.make_mesh("data=-1"))
+        >>> state = import_flax_checkpoint(workdir, state)
+        >>> int(state.step), bool((state.params["kernel"] == params["kernel"]).all())
+        (200, True)
+    """
+    path = os.fspath(path)
+    raw = _read(path, step)
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"The checkpoint at {path!r} holds a {type(raw).__name__}, not a train state's "
+            "fields (step, params, opt_state, ...)."
+        )
+    ignored = tuple(prefix.strip("/") for prefix in ignore)
+    saved = {
+        key: value
+        for key, value in _flat(_plain(raw)).items()
+        if not _under(key, ignored) and value is not None
+    }
+    target = _target(state)
+    wanted = {key: value for key, value in _flat(target).items() if not _under(key, ignored)}
+    replicas = _replicas(saved, wanted)
+    _check_match(path, saved, wanted, replicas)
+    values = {
+        key: _unreplicate(key, np.asarray(saved[key]), replicas, wanted[key]) for key in wanted
+    }
+    return _place(_from_target(state, _with_leaves(target, values)), state)
+
+
+def _read(path: str, step: int | None) -> Any:
+    """The checkpoint's tree, arrays as numpy (whatever devices wrote it)."""
+    from flax.training import checkpoints
+
+    where = Path(path)
+    if not _is_checkpoint(where):
+        latest = checkpoints.latest_checkpoint(path) if where.is_dir() else None
+        chosen = where / f"checkpoint_{step}" if step is not None else latest
+        if chosen is None or not Path(chosen).exists():
+            found = sorted(p.name for p in where.iterdir())[:10] if where.is_dir() else []
+            raise FileNotFoundError(
+                f"No flax.training.checkpoints checkpoint at {path!r}"
+                + (f" for step={step}" if step is not None else "")
+                + f" (it holds {found}). Pass the directory save_checkpoint wrote into, or "
+                "one of its checkpoint_<step> entries."
+            )
+        where = Path(chosen)
+    if where.is_file():  # the msgpack format of flax before Orbax
+        return checkpoints.restore_checkpoint(str(where), target=None)
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(where)
+    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(where, restore_args=as_numpy)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint itself (an Orbax directory or a msgpack file), not a directory of them."""
+    if path.is_dir():
+        return any((path / name).exists() for name in ("_METADATA", "_CHECKPOINT_METADATA"))
+    return path.is_file()
+
+
+def _plain(tree: Any) -> Any:
+    """Nested dicts with string keys: tuples and lists become ``{"0": ..., "1": ...}``."""
+    if isinstance(tree, Mapping):
+        return {str(key): _plain(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return {str(i): _plain(value) for i, value in enumerate(tree)}
+    return tree
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out |= _flat(value, name + "/")
+        else:
+            out[name] = value
+    return out
+
+
+def _with_leaves(tree: Mapping[str, Any], values: Mapping[str, Any], prefix: str = "") -> Any:
+    """``tree`` (nested dicts) with the leaves named in ``values`` replaced."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out[key] = _with_leaves(value, values, name + "/")
+        else:
+            out[key] = values.get(name, value)
+    return out
+
+
+def _under(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key == prefix or key.startswith(prefix + "/") for prefix in prefixes)
+
+
+def _target(state: TrainState) -> dict[str, Any]:
+    """The state's importable fields, named as the pmap-era ``TrainState`` named them."""
+    target: dict[str, Any] = {
+        "step": state.step,
+        "params": serialization.to_state_dict(state.params),
+        "opt_state": serialization.to_state_dict(state.opt_state),
+    }
+    for name, collection in state.collections.items():
+        target[name] = serialization.to_state_dict(collection)
+    if state.loss_scale is not None:
+        target["dynamic_scale"] = {
+            saved: getattr(state.loss_scale, own) for saved, own in _DYNAMIC_SCALE.items()
+        }
+    return _plain(target)
+
+
+def _from_target(state: TrainState, filled: Mapping[str, Any]) -> TrainState:
+    loss_scale = state.loss_scale
+    if loss_scale is not None:
+        scale = filled["dynamic_scale"]
+        loss_scale = LossScale(
+            scale=scale["scale"],
+            good_steps=scale["fin_steps"],
+            growth_interval=loss_scale.growth_interval,
+        )
+    return state.replace(
+        step=filled["step"],
+        params=serialization.from_state_dict(state.params, filled["params"]),
+        opt_state=serialization.from_state_dict(state.opt_state, filled["opt_state"]),
+        collections={
+            name: serialization.from_state_dict(collection, filled[name])
+            for name, collection in state.collections.items()
+        },
+        loss_scale=loss_scale,
+    )
+
+
+def _replicas(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> int:
+    """How many replicas the checkpoint holds (a leading device axis), 0 for none."""
+    for key in wanted:  # the step first: its shape is () unreplicated, (devices,) replicated
+        if key in saved:
+            have, want = np.shape(saved[key]), np.shape(wanted[key])
+            return int(have[0]) if len(have) == len(want) + 1 and have[1:] == want else 0
+    return 0
+
+
+def _check_match(
+    path: str, saved: Mapping[str, Any], wanted: Mapping[str, Any], replicas: int
+) -> None:
+    missing = [key for key in wanted if key not in saved]
+    extra = [key for key in saved if key not in wanted]
+    lead = (replicas,) if replicas else ()
+    shapes = [
+        f"{key}: checkpoint {tuple(np.shape(saved[key]))}, state "
+        f"{lead + tuple(np.shape(wanted[key]))}"
+        for key in wanted
+        if key in saved and tuple(np.shape(saved[key])) != lead + tuple(np.shape(wanted[key]))
+    ]
+    if not (missing or extra or shapes):
+        return
+
+    def listed(title: str, items: list[str]) -> str:
+        shown = "\n    ".join(items[:12])
+        more = f"\n    ... and {len(items) - 12} more" if len(items) > 12 else ""
+        return f"\n  {title} ({len(items)}):\n    {shown}{more}" if items else ""
+
+    kind = f"replicated over {replicas} devices" if replicas else "unreplicated"
+    raise ValueError(
+        f"The checkpoint at {path!r} ({kind}) does not match the train state:"
+        + listed("in the state, not in the checkpoint", missing)
+        + listed("in the checkpoint, not in the state", extra)
+        + listed("different shapes", shapes)
+        + "\nBuild the state with create_train_state from the model and optimizer (the same "
+        "optax chain) of the program that wrote the checkpoint, with precision='f16' for a "
+        "checkpoint with a dynamic_scale; or leave fields out with ignore=[...] (e.g. "
+        "ignore=['dynamic_scale'])."
+    )
+
+
+def _unreplicate(key: str, value: np.ndarray, replicas: int, like: Any) -> np.ndarray:
+    dtype = np.dtype(getattr(like, "dtype", value.dtype))
+    if not replicas:
+        return value.astype(dtype)
+    statistics = not key.startswith(("step", "params/", "opt_state/", "dynamic_scale/"))
+    if statistics and np.issubdtype(value.dtype, np.floating):
+        return value.mean(0).astype(dtype)  # sync_batch_stats
+    if not (value == value[:1]).all():
+        raise ValueError(
+            f"The checkpoint's replicas of {key} differ (it holds {replicas} copies with a "
+            "leading device axis, and they should agree). Save the program's state after "
+            "jax_utils.unreplicate, or check that it is a replicated pmap state."
+        )
+    return value[0].astype(dtype)
+
+
+def _place(imported: TrainState, state: TrainState) -> TrainState:
+    def put(value: Any, like: Any) -> Any:
+        if value is like:  # not in the checkpoint (the dropout key) or ignored: a copy,
+            return place_global(like, like.sharding, copy=True)  # which a step may donate
+        return place_global(np.asarray(value), like.sharding)
+
+    return jax.tree.map(put, imported, state)
