@@ -207,6 +207,33 @@ def leaf_names(tree: Any, names: Any | None = None) -> tuple[Any, list[Names | N
     return plain, found
 
 
+def split_axes_collections(variables: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Names]]:
+    """``variables`` without the ``<collection>_axes`` collections of flax's older
+    ``param_with_axes`` style, and the names those give parameters, by path.
+
+    ``flax.linen.partitioning.param_with_axes(name, init, shape, axes=("embed", "mlp"))``
+    keeps a parameter's names in a separate ``params_axes`` collection, as
+    ``{"Dense_0": {"kernel_axes": AxisMetadata(names=("embed", "mlp"))}}``; they are
+    metadata, not state.
+    """
+    partitioning = _flax_module("flax.linen.partitioning")
+    if partitioning is None:
+        return dict(variables), {}
+    metadata = partitioning.AxisMetadata
+    is_metadata = lambda x: isinstance(x, metadata)  # noqa: E731
+    rest: dict[str, Any] = {}
+    names: dict[str, Names] = {}
+    for collection, value in variables.items():
+        leaves = jax.tree_util.tree_leaves_with_path(value, is_leaf=is_metadata)
+        if not (collection.endswith("_axes") and leaves and all(is_metadata(x) for _, x in leaves)):
+            rest[collection] = value
+            continue
+        if collection == "params_axes":
+            for path, axes in leaves:
+                names[path_str(path).removesuffix("_axes")] = tuple(axes.names)
+    return rest, names
+
+
 def logical_axes(tree: Any) -> Any:
     """The logical axis names of every leaf of ``tree``: a tuple of names, or ``None``.
 

@@ -96,7 +96,11 @@ class PartitionRules:
        ``nnx.with_partitioning``): each name maps to a mesh axis, a tuple of mesh axes,
        or ``None`` (replicated). Every name a leaf carries must be in the table. Two
        names asking for the same mesh axis: the table's earlier entry gets it and the
-       other dimension stays unsharded (reported). Without a table, names are ignored.
+       other dimension stays unsharded (reported). A name that is not in the table
+       but is an axis of the mesh means that axis, as flax's ``nn.with_partitioning``
+       and ``nnx.with_partitioning`` mean it; without a table, that holds for every
+       name. Names that are neither leave the leaf to the default, and a warning names
+       each such leaf the default leaves replicated.
     3. **The default** (replicated unless you say otherwise; ``FSDP()`` for FSDP).
 
     Mesh axes that do not divide a dimension are dropped for that leaf and reported,
@@ -233,13 +237,40 @@ class PartitionRules:
                 ((regex.pattern, rule) for regex, rule in self._rules if regex.search(name)),
                 (None, None),
             )
-            if rule is None and self._logical is not None and leaf_logical is not None:
-                placements.append(_apply_logical(leaf_logical, self._logical, name, shape, mesh))
-                continue
+            if rule is None and leaf_logical is not None:
+                table = _with_mesh_axes(self._logical or (), leaf_logical, mesh)
+                if self._logical is not None or _all_known(leaf_logical, table):
+                    placements.append(_apply_logical(leaf_logical, table, name, shape, mesh))
+                    continue
             rule = self.default if rule is None else rule
             spec, dropped = _apply(rule, name, shape, mesh, pattern)
+            if pattern is None and leaf_logical is not None and not spec_axis_names(spec):
+                dropped += (
+                    f"{name}: annotated {leaf_logical}, names that are neither mesh axes of "
+                    f"the mesh {dict(mesh.shape)} nor in a logical table; left replicated",
+                )
             placements.append(Placement(name, shape, pattern, spec, dropped))
         return placements
+
+
+def _with_mesh_axes(table: LogicalTable, names: Names, mesh: Mesh) -> LogicalTable:
+    """``table`` and, after it, each of ``names`` that it lacks but is a mesh axis, as itself.
+
+    Flax's ``nn.with_partitioning`` and ``nnx.with_partitioning`` name mesh axes: a
+    name the table does not map but the mesh has means that axis.
+    """
+    known = {name for name, _ in table}
+    own = tuple(
+        (name, name)
+        for name in dict.fromkeys(names)
+        if name is not None and name not in known and name in mesh.axis_names
+    )
+    return table + own
+
+
+def _all_known(names: Names, table: LogicalTable) -> bool:
+    known = {name for name, _ in table}
+    return all(name is None or name in known for name in names)
 
 
 def rule_axis_names(rule: Rule) -> tuple[str, ...]:
@@ -359,7 +390,18 @@ def infer_shardings(
     placements = rules.resolve(tree, mesh, names=names)
     dropped = [message for placement in placements for message in placement.dropped]
     if dropped:
-        logger.warning("Partition rules could not apply in full:\n  %s", "\n  ".join(dropped))
+        shown = dropped[:8] + ([f"... and {len(dropped) - 8} more"] if len(dropped) > 8 else [])
+        replicated = any(
+            message.endswith("nor in a logical table; left replicated") for message in dropped
+        )
+        hint = (
+            "\nGive the names a logical table to shard those leaves, "
+            "PartitionRules(logical={'embed': 'data', ...}), or map them to None to keep "
+            "them replicated without this warning."
+            if replicated
+            else ""
+        )
+        logger.warning("Partition rules could not apply in full:\n  %s%s", "\n  ".join(shown), hint)
     structure = jax.tree.structure(unbox(tree))
     return jax.tree.unflatten(
         structure, [NamedSharding(mesh, placement.spec) for placement in placements]

@@ -331,3 +331,77 @@ def test_a_stacked_state_keeps_the_names_but_applies_them_to_no_leaf():
     names = states.logical_axes()
     assert names.params["Dense_0"]["kernel"] is None  # one more dimension than named
     assert names.opt_state[0].mu["Dense_0"]["kernel"] is None
+
+
+class AnnotationStyles(nn.Module):
+    """The three linen annotation styles in one model: ``param_with_axes`` (names in a
+    ``params_axes`` collection), ``nn.with_partitioning`` naming a mesh axis, and
+    ``nn.with_logical_partitioning`` naming a logical axis."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        from flax.linen import partitioning as nnp
+
+        w = nnp.param_with_axes("w", nn.initializers.ones, (16, 8), axes=("embed", "mlp"))
+        h = jnp.tanh(x.reshape(len(x), -1) @ w)
+        mesh_axes = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+        h = nn.Dense(8, kernel_init=mesh_axes, name="by_mesh_axes")(h)
+        return nn.Dense(4, kernel_init=logical_init(("mlp", "vocab")), name="logical")(h)
+
+
+@pytest.mark.devices(8)
+def test_every_annotation_style_places_its_parameter_and_none_is_replicated_silently(caplog):
+    mesh = meshkit.make_mesh("data=4,model=2")
+    model = mtrain.linen_model(AnnotationStyles(), jnp.zeros((1, 4, 4)))
+    tx = optax.adam(0.1)
+
+    def kernel_specs(state):
+        return {
+            "w": state.params["w"].sharding.spec,
+            "by_mesh_axes": state.params["by_mesh_axes"]["kernel"].sharding.spec,
+            "logical": state.params["logical"]["kernel"].sharding.spec,
+            "w mu": state.opt_state[0].mu["w"].sharding.spec,
+        }
+
+    # No table: a name that is a mesh axis means that axis (Flax's meaning); logical
+    # names have nothing to map them, so their leaves stay replicated, and say so.
+    with caplog.at_level(logging.WARNING, logger="meshkit"):
+        state = mtrain.create_train_state(model, tx, mesh)
+    assert kernel_specs(state) == {
+        "w": P(),
+        "by_mesh_axes": P(None, "model"),
+        "logical": P(),
+        "w mu": P(),
+    }
+    warned = caplog.text
+    assert "params/w: annotated ('embed', 'mlp')" in warned
+    assert "params/logical/kernel: annotated ('mlp', 'vocab')" in warned
+    assert "by_mesh_axes" not in warned and "PartitionRules(logical=" in warned
+    assert sorted(state.collections) == []  # params_axes is metadata, not state
+    assert dict(state.param_axes)["w"] == ("embed", "mlp")
+
+    # A table maps the logical names; the mesh-axis name needs no entry.
+    caplog.clear()
+    rules = PartitionRules(logical={"embed": None, "mlp": "data", "vocab": None})
+    with caplog.at_level(logging.WARNING, logger="meshkit"):
+        state = mtrain.create_train_state(model, tx, mesh, rules=rules)
+    assert kernel_specs(state) == {
+        "w": P(None, "data"),
+        "by_mesh_axes": P(None, "model"),
+        "logical": P("data"),
+        "w mu": P(None, "data"),
+    }
+    assert caplog.text == ""
+    sharding = meshkit.batch_sharding(mesh)
+    step = mtrain.make_train_step(
+        mtrain.classification_loss, mtrain.state_shardings_of(state), sharding
+    )
+    batch = {"image": np.ones((8, 4, 4), np.float32), "label": np.zeros(8, np.int32)}
+    _, metrics = step(state, meshkit.shard_batch(batch, sharding))
+    assert np.isfinite(float(metrics["loss"]))
+
+    # NNX: nnx.with_partitioning names mesh axes too.
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    nnx_model = mtrain.nnx_model(lambda rngs: nnx.Linear(8, 16, kernel_init=init, rngs=rngs))
+    state = mtrain.create_train_state(nnx_model, tx, mesh)
+    assert state.params["kernel"].value.sharding.spec == P(None, "model")

@@ -15,7 +15,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from meshkit._logical import ActivationRules, Names, leaf_names, unbox
+from meshkit._logical import ActivationRules, Names, leaf_names, split_axes_collections, unbox
 from meshkit._pytree import path_str
 from meshkit._rules import PartitionRules, infer_shardings
 from meshkit.train._precision import LossScale, Precision
@@ -273,9 +273,10 @@ def init_state_from_key(
         )
     policy = Precision.of(precision)
     init_rng, train_rng = jax.random.split(key)
-    variables = dict(model.init(init_rng))
+    variables, axes_names = split_axes_collections(model.init(init_rng))
     params, names = leaf_names(variables["params"])
     paths = [path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    names = [axes_names.get(path) if n is None else n for path, n in zip(paths, names, strict=True)]
     param_axes = tuple((path, n) for path, n in zip(paths, names, strict=True) if n is not None)
     variables = unbox({key: value for key, value in variables.items() if key != "params"})
     return TrainState(
@@ -347,11 +348,11 @@ def train_state_shardings(
 
     Rules match paths such as ``params/Dense_0/kernel`` and
     ``opt_state/0/mu/Dense_0/kernel``, so one FSDP rule shards the parameters and
-    their optimizer moments alike. A logical table in ``rules`` places the leaves
-    that carry logical names (``TrainState.logical_axes``): the annotated parameters
-    and the optimizer moments that mirror them.
+    their optimizer moments alike. The names of annotated parameters
+    (``TrainState.logical_axes``) place them and the optimizer moments that mirror
+    them: through the logical table of ``rules``, or as mesh axes where a name is one.
     """
-    names = abstract.logical_axes() if rules is not None and rules.logical is not None else None
+    names = abstract.logical_axes() if abstract.param_axes else None
     return infer_shardings(abstract, mesh, rules, names=names)
 
 
@@ -375,10 +376,13 @@ def create_train_state(
     ``Precision``). With ``"f16"`` the state also carries a dynamic ``LossScale``.
 
     Parameters a flax model annotated (``nn.with_logical_partitioning``,
-    ``nn.with_partitioning``, ``nnx.with_partitioning``) come unboxed, as plain
-    arrays; their logical names go through the logical table of ``rules``
-    (``PartitionRules(logical=...)``), and the state keeps that table with the mesh
-    (``activation_rules``) so that the train and eval steps made from it resolve
+    ``nn.with_partitioning``, ``nnx.with_partitioning``, or the older
+    ``flax.linen.partitioning.param_with_axes``) come unboxed, as plain arrays; their
+    names go through the logical table of ``rules`` (``PartitionRules(logical=...)``),
+    names that are mesh axes mean those axes (as ``nn.with_partitioning`` means them),
+    and an annotated parameter that neither places is left to the default with a
+    warning naming it. The state keeps the table with the mesh (``activation_rules``)
+    so that the train and eval steps made from it resolve
     ``nn.with_logical_constraint`` on activations to the mesh.
 
     Examples:
