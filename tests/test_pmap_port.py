@@ -20,6 +20,7 @@ import pytest
 
 import meshkit
 from meshkit import ensemble
+from meshkit.testing import run_processes
 from meshkit.train import (
     LossOutput,
     Model,
@@ -278,3 +279,29 @@ def test_a_mismatched_checkpoint_lists_the_paths(pmap_checkpoints: PmapCheckpoin
     assert int(state.step) == 0
     with pytest.raises(FileNotFoundError, match=r"No flax\.training\.checkpoints checkpoint"):
         import_flax_checkpoint(directory, adam, step=123)
+
+
+def continue_imported(directory: str) -> dict[str, Any]:
+    """In each of several processes: import the pmap checkpoint, train three more steps."""
+    state = import_flax_checkpoint(directory, example_state())
+    sharding = meshkit.batch_sharding(state.params["Dense_0"]["kernel"].sharding.mesh)
+    rows = meshkit.data_shard(sharding, BATCH).slice
+    step = make_train_step(example_loss, state_shardings_of(state), sharding)
+    losses = []
+    for batch in continuation():
+        local = {key: value[rows] for key, value in batch.items()}
+        state, metrics = step(state, meshkit.shard_batch(local, sharding))
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": meshkit.to_host(state.params), "step": int(state.step)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.devices(8)
+def test_two_processes_import_and_continue_as_the_pmap_program(
+    pmap_checkpoints: PmapCheckpoints,
+) -> None:
+    directory = pmap_checkpoints.dirs["msgpack-replicated"]
+    for result in run_processes(continue_imported, directory, timeout=240):
+        assert result["step"] == STEPS + len(continuation())
+        np.testing.assert_allclose(result["losses"], pmap_checkpoints.continued_losses, rtol=2e-5)
+        assert_close(result["params"], pmap_checkpoints.continued_params, atol=5e-6)

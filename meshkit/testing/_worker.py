@@ -22,6 +22,7 @@ def _load(module_name: str, file: str) -> Any:
         raise ImportError(f"Cannot load module {module_name!r} from {file!r}.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    sys.path.insert(0, str(Path(file).parent))  # its sibling modules import, as in a script
     spec.loader.exec_module(module)
     return module
 
