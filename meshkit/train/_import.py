@@ -126,13 +126,9 @@ def _read(path: str, step: int | None) -> Any:
         where = Path(chosen)
     if where.is_file():  # the msgpack format of flax before Orbax
         return checkpoints.restore_checkpoint(str(where), target=None)
-    import orbax.checkpoint as ocp
+    from meshkit.train._orbax import read_pytree_as_numpy
 
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(where)
-    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(where, restore_args=as_numpy)
+    return read_pytree_as_numpy(where)
 
 
 def _is_checkpoint(path: Path) -> bool:

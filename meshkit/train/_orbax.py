@@ -21,6 +21,8 @@ import sys
 import traceback
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -150,6 +152,16 @@ class Storage:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def read_pytree_as_numpy(directory: Any) -> Any:
+    """A PyTree checkpoint Orbax wrote outside meshkit, arrays as numpy whatever the
+    devices that wrote it (``flax.training.checkpoints`` writes these)."""
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(directory)
+    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(directory, restore_args=as_numpy)
 
 
 def _unfinished_writes(manager: ocp.CheckpointManager) -> list[Any]:
