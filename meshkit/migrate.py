@@ -36,6 +36,12 @@ CALLS: dict[str, str] = {
     "jax.lax.psum": "a jnp.sum over the global array inside the jit; jax.shard_map for "
     "per-device code",
     "jax.lax.axis_index": "rarely needed; jax.lax.axis_index('data') inside jax.shard_map",
+    "jax.lax.ppermute": "jax.shard_map over the mesh axis with jax.lax.ppermute inside: "
+    "per-device communication stays per-device code",
+    "jax.lax.all_to_all": "jax.shard_map over the mesh axis with jax.lax.all_to_all inside, "
+    "or a reshard of the global array (jax.lax.with_sharding_constraint)",
+    "jax.lax.all_gather": "nothing inside a jit: the global array is already whole; "
+    "jax.shard_map where per-device code is really wanted",
     "jax.device_put_sharded": "meshkit.shard_batch(batch, meshkit.batch_sharding(mesh))",
     "jax.device_put_replicated": "meshkit.replicate(tree, mesh)",
     "flax.jax_utils.replicate": "meshkit.replicate(tree, mesh), or create the state under "

@@ -172,3 +172,21 @@ def test_the_command_lists_findings_and_exits_1(tmp_path: Path, capsys):
     assert "docs/pmap.md#what-replaces-what" in out and "pmap-era idiom(s) in 1 file(s)" in out
     assert migrate.main([str(tmp_path / "missing.py")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_per_device_communication_is_found():
+    source = """
+from jax import lax
+import jax
+
+def step(x):
+    y = lax.ppermute(x, "batch", perm=[(0, 1), (1, 0)])
+    z = jax.lax.all_to_all(y, "batch", 0, 0)
+    return lax.all_gather(z, "batch")
+"""
+    at = functools.partial(line_of, source)
+    assert found(migrate.scan_source(source, "ring.py")) == {
+        "jax.lax.ppermute": {at("ppermute")},
+        "jax.lax.all_to_all": {at("all_to_all")},
+        "jax.lax.all_gather": {at("all_gather")},
+    }
