@@ -1,88 +1,174 @@
-"""Encoded-image input: JPEG decode and augmentation, in images per second per host.
+"""Encoded-image input against the decode limit: images per second per host.
 
-    python -m benchmarks input_pipeline                 # 0, 1 and 2 Grain workers
-    python -m benchmarks.input_pipeline --workers 0,1,2,4,8   # on a bigger host
+    python -m benchmarks input_pipeline                  # the table below, this host
+    python -m benchmarks.input_pipeline --workers 0,2,4  # more worker counts
 
-The embedded digits are written as JPEG image records at 32×32, 64×64 and 256×256
-(a few seconds, once per run). For each size, ``TrainPipeline`` with the image
-classification recipe's training transform (decode, Inception-style random-resized
-crop, flip, normalise; 256×256 images are cropped to 224×224) runs as:
+The embedded digits are written as JPEG image records (quality 90) at 32×32, 64×64 and
+256×256 (a few seconds, once per run). For each size:
 
-- ``threads=0``: examples read and transformed in the caller's thread, one by one;
-- ``threads=2``: two Grain threads (the recipe's default);
-- ``workers=N``: N Grain worker processes, each building whole batches.
+- **limit**: a plain loop of PIL decode + random-resized crop + flip + normalise, one
+  image at a time on one core, with nothing else (no pipeline, no stacking); times the
+  host's cores, the most any input pipeline could reach on them.
+- ``TrainPipeline`` with the image classification recipe's training transform
+  (Inception-style random-resized crop with scale (0.35, 1), flip, normalise; 256×256
+  images are cropped to 224×224), as:
+  - ``threads=0``: batches built in the caller's thread;
+  - ``threads=N``: N Grain threads, each building whole batches;
+  - ``workers=N``: N Grain worker processes, each building whole batches;
+  - ``default``: ``meshkit.data.image.input_settings(side)``, what the recipe uses.
+- ``members=K`` (small images): the default settings reading K orders of the same
+  images at once (a ``MemberTrainPipeline``, as a sweep with a ``data_seed`` per member
+  reads them), counted in images delivered (K per row).
 
-Candidates run interleaved (A B C ...). Each round starts a fresh iterator at a new
-step, takes one batch (start-up: thread pools, worker processes; reported separately)
-and then times ``BATCHES`` batches of 128 images. Last, the recipe's train step
-(ResNet-18, small-image stem, width 16, 32×32, batch 128, on 8 fake CPU devices) is
-timed, so
-the table shows whether the input keeps up with the model.
+Candidates run interleaved (A B C ...), each round on a fresh iterator at a new step:
+one batch first (start-up: threads, worker processes; reported apart), then
+``BATCHES`` batches of 128 rows timed. The recipe's train step (ResNet-18, width 16,
+32×32, batch 128, 8 fake CPU devices) is timed last, to show whether input keeps up.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import io
+import math
+import multiprocessing
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 import meshkit
 
 BATCH = 128
-BATCHES = 20
-ROUNDS = 3
+BATCHES = 12
+ROUNDS = 5
+LIMIT_IMAGES = 1280
+SCALE = (0.35, 1.0)
 SIZES = {"32x32": (32, 32), "64x64": (64, 64), "256x256 -> 224": (256, 224)}
 """Image sets: (stored side, trained side)."""
 
 
-def pipelines(directory: Path, stored: int, trained: int, workers: list[int]) -> dict:
+def raw_loop(encoded: list[bytes], trained: int) -> Callable[[int], tuple[float, float]]:
+    """The limit on one core: decode, crop, flip and normalise images in a plain loop.
+
+    As a candidate: each round handles ``BATCHES * BATCH`` images, one at a time, and
+    reports seconds per ``BATCH`` of them (no start-up).
+    """
+    from PIL import Image
+
+    from meshkit.data.image import IMAGENET_MEAN, IMAGENET_STD
+
+    mean = np.asarray(IMAGENET_MEAN, np.float32)
+    std = np.asarray(IMAGENET_STD, np.float32)
+    log_ratio = (math.log(3 / 4), math.log(4 / 3))
+
+    def run(round_index: int) -> tuple[float, float]:
+        rng = np.random.default_rng(round_index)
+        start = time.perf_counter()
+        for index in range(BATCHES * BATCH):
+            with Image.open(io.BytesIO(encoded[index % len(encoded)])) as img:
+                width, height = img.size
+                area = width * height * rng.uniform(*SCALE)
+                aspect = math.exp(rng.uniform(*log_ratio))
+                w = min(width, round(math.sqrt(area * aspect)))
+                h = min(height, round(math.sqrt(area / aspect)))
+                left, top = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
+                box = (left, top, left + w, top + h)
+                pixels = np.asarray(img.convert("RGB").resize((trained, trained), box=box))
+            if rng.random() < 0.5:
+                pixels = pixels[:, ::-1]
+            _ = (pixels.astype(np.float32) / 255 - mean) / std
+        return 0.0, (time.perf_counter() - start) / BATCHES
+
+    return run
+
+
+def pipeline_run(pipeline: Any) -> Callable[[int], tuple[float, float]]:
+    """A pipeline as a candidate: a fresh iterator at a new step, one batch (start-up),
+    then ``BATCHES`` batches timed."""
+
+    def run(round_index: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        stream = iter(pipeline.dataset(start_step=round_index * (BATCHES + 1)))
+        next(stream)
+        first = time.perf_counter()
+        for _ in range(BATCHES):
+            next(stream)
+        seconds = (time.perf_counter() - first) / BATCHES
+        del stream  # stops its threads or worker processes; wait until they are gone,
+        gc.collect()  # or their shutdown would slow the next candidate down
+        for child in multiprocessing.active_children():
+            child.join(timeout=30)
+        return first - start, seconds
+
+    return run
+
+
+def pipelines(source: Any, trained: int, workers: list[int], members: list[int]) -> dict:
     from meshkit import data
     from meshkit.data import image
+    from meshkit.ensemble import EnsembleLayout, MemberTrainPipeline
 
-    records = data.write_digits_images(directory / f"digits_{stored}", size=stored)
-    source = data.image_records(records["train"])
-    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
     transform = image.train_transform(
-        trained, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, scale=(0.35, 1.0)
+        trained, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, scale=SCALE
     )
-    settings = {"threads=0": (0, 0), "threads=2": (2, 0)}
-    settings |= {f"workers={n}": (0, n) for n in workers if n > 0}
-    return {
-        name: data.TrainPipeline(
-            source,
-            global_batch_size=BATCH,
-            sharding=sharding,
-            transform=transform,
-            num_threads=threads,
-            worker_count=count,
+    default = image.input_settings(trained)
+    settings = {"threads=0": {"num_threads": 0}, "threads=2": {"num_threads": 2}}
+    settings |= {f"workers={n}": {"worker_count": n} for n in workers if n > 0}
+    settings["default"] = default
+    candidates: dict[str, tuple[Callable[[int], tuple[float, float]], int]] = {
+        name: (
+            pipeline_run(
+                data.TrainPipeline(
+                    source,
+                    global_batch_size=BATCH,
+                    sharding=sharding,
+                    transform=transform,
+                    **kwargs,
+                )
+            ),
+            1,
         )
-        for name, (threads, count) in settings.items()
+        for name, kwargs in settings.items()
     }
+    for k in members:
+        layout = EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), k)
+        pipeline = MemberTrainPipeline(
+            source,
+            k,
+            global_batch_size=BATCH,
+            sharding=layout.batch_sharding,
+            transform=transform,
+            **default,
+        )
+        candidates[f"members={k}"] = (pipeline_run(pipeline), k)
+    return candidates
 
 
-def measure_pipelines(candidates: dict) -> dict[str, dict[str, float]]:
+def measure(candidates: dict) -> dict[str, dict[str, float]]:
     """Steady-state seconds per batch and start-up seconds, interleaved round by round."""
-    seconds = {name: [] for name in candidates}
-    startup = {name: [] for name in candidates}
+    seconds: dict[str, list[float]] = {name: [] for name in candidates}
+    startup: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for round_index in range(ROUNDS):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            stream = iter(candidates[name].dataset(start_step=round_index * (BATCHES + 1)))
-            next(stream)
-            first = time.perf_counter()
-            for _ in range(BATCHES):
-                next(stream)
-            seconds[name].append((time.perf_counter() - first) / BATCHES)
-            startup[name].append(first - start)
-            del stream  # stops its threads or worker processes
+            run, _ = candidates[name]
+            started, per_batch = run(round_index)
+            seconds[name].append(per_batch)
+            startup[name].append(started)
     return {
         name: {
             "median_s_per_batch": statistics.median(seconds[name]),
-            "images_per_s": BATCH / statistics.median(seconds[name]),
+            "images_per_s": BATCH * candidates[name][1] / statistics.median(seconds[name]),
             "startup_s": statistics.median(startup[name]),
         }
         for name in names
@@ -94,7 +180,6 @@ def model_step_seconds() -> float:
     batch 128)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     from meshkit import train
@@ -129,24 +214,50 @@ def model_step_seconds() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--workers", default="0,1,2", help="worker counts, e.g. 0,1,2,4")
+    parser.add_argument("--workers", default="1,2", help="worker counts, e.g. 1,2,4")
+    parser.add_argument("--members", default="4,16", help="member counts, e.g. 4,16")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="image sets to measure")
     args = parser.parse_args()
-    workers = [int(n) for n in args.workers.split(",")]
+    workers = [int(n) for n in args.workers.split(",") if n]
+    members = [int(n) for n in args.members.split(",") if n]
     meshkit.distributed.initialize(cpu_devices=8)
     from benchmarks._harness import save
+    from meshkit import data
+    from meshkit.data import image
 
+    cores = len(os.sched_getaffinity(0))
     results: dict = {"batch": BATCH, "batches_per_round": BATCHES, "rounds": ROUNDS}
+    results["cores"] = cores
     with tempfile.TemporaryDirectory() as directory:
-        for label, (stored, trained) in SIZES.items():
-            rows = measure_pipelines(pipelines(Path(directory), stored, trained, workers))
+        for label in args.sizes.split(","):
+            stored, trained = SIZES[label]
+            records = data.write_digits_images(Path(directory) / f"d{stored}", size=stored)
+            source = data.image_records(records["train"])
+            encoded = [bytes(source[i]["image"]) for i in range(min(LIMIT_IMAGES, len(source)))]
+            candidates = {"limit, 1 core": (raw_loop(encoded, trained), 1)}
+            small = trained < image.DECODE_BOUND_SIDE  # sweeps' member orders: small images
+            candidates |= pipelines(source, trained, workers, members if small else [])
+            rows = measure(candidates)
+            one_core = rows.pop("limit, 1 core")["images_per_s"]
+            limit = one_core * cores
             print(f"\nJPEG {label}, batch {BATCH}: decode + crop + flip + normalise")
-            print(f"{'candidate':<12} {'ms/batch':>10} {'images/s':>10} {'start-up s':>11}")
+            print(f"limit: {one_core:,.0f} images/s on one core × {cores} cores = {limit:,.0f}")
+            header = ("candidate", "ms/batch", "images/s", "× limit", "start-up s")
+            print("{:<12} {:>10} {:>10} {:>8} {:>11}".format(*header))
             for name, row in rows.items():
+                row["ratio_to_limit"] = row["images_per_s"] / limit
                 print(
                     f"{name:<12} {row['median_s_per_batch'] * 1e3:>10.1f} "
-                    f"{row['images_per_s']:>10,.0f} {row['startup_s']:>11.2f}"
+                    f"{row['images_per_s']:>10,.0f} {row['ratio_to_limit']:>8.2f} "
+                    f"{row['startup_s']:>11.2f}"
                 )
-            results[label] = rows
+            results[label] = {
+                "one_core_limit_images_per_second": one_core,
+                "limit_images_per_second": limit,
+                "default_images_per_second": rows["default"]["images_per_s"],
+                "default_settings": image.input_settings(trained),
+                "candidates": rows,
+            }
     step = model_step_seconds()
     print(
         f"\nResNet-18 (width 16) train step, 32x32, batch {BATCH}, 8 devices: {step * 1e3:.0f} ms "

@@ -474,3 +474,30 @@ def test_state_step_and_batch_mismatches_are_explained():
     )
     with pytest.raises(ValueError, match=r"expects every batch field shaped \[rows, 2 members"):
         per_member(state, batch)
+
+
+@pytest.mark.once
+def test_member_batches_with_a_transform_on_threads_equal_those_built_in_line():
+    """Threads take whole [rows, K, ...] batches (they used to take single examples)."""
+    from meshkit.data import image
+
+    layout = layout_for(2)
+    pixels = (np.arange(64 * 8 * 8).reshape(64, 8, 8, 1) % 251).astype(np.uint8)
+    source = data.ArraySource({"image": pixels, "label": np.arange(64) % 10})
+    transform = image.train_transform(6, mean=0.5, std=0.25, channels=1)
+
+    def pipeline(threads):
+        return ensemble.MemberTrainPipeline(
+            source,
+            2,
+            global_batch_size=16,
+            sharding=layout.batch_sharding,
+            transform=transform,
+            num_threads=threads,
+        )
+
+    in_line = pipeline(0).local_batch(1)
+    threaded = next(iter(pipeline(2).dataset(start_step=1)))
+    assert in_line["image"].shape == (16 // jax.process_count(), 2, 6, 6, 1)
+    for key in in_line:
+        np.testing.assert_array_equal(threaded[key], in_line[key])

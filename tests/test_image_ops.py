@@ -300,3 +300,37 @@ def test_transforms_work_in_a_train_pipeline():
     assert batch["image"].shape == (8, 8, 8, 3) and batch["image"].dtype == np.float32
     assert batch["label"].dtype == np.int32
     assert math.isfinite(float(batch["image"].sum()))
+
+
+@pytest.mark.parametrize("padding", [None, 4], ids=["inception-crop", "cifar-crop"])
+@pytest.mark.parametrize("encoded", [True, False], ids=["jpeg", "array"])
+def test_the_batched_transform_equals_the_per_example_one_pixel_for_pixel(padding, encoded):
+    """Crops per example with the same draws; flips and normalisation over the batch."""
+    transform = image.train_transform(
+        16, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, padding=padding, scale=(0.3, 1.0)
+    )
+    records = []
+    for seed in range(24):
+        pixels = photo(16 + seed % 3 * 8, 20, seed) if padding is None else photo(16, 16, seed)
+        value = image.encode(pixels, format="jpeg") if encoded else pixels
+        records.append({"image": value, "label": np.int64(seed % 5), "id": np.int64(seed)})
+
+    def generators():
+        return [np.random.default_rng([7, index]) for index in range(len(records))]
+
+    batch = transform.batch(records, generators())
+    one_by_one = [transform(record, rng) for record, rng in zip(records, generators(), strict=True)]
+    assert sorted(batch) == ["id", "image", "label"]
+    for key in batch:
+        expected = np.stack([example[key] for example in one_by_one])
+        assert batch[key].dtype == expected.dtype
+        np.testing.assert_array_equal(batch[key], expected)
+
+
+def test_input_settings_follow_cores_and_image_size():
+    assert image.input_settings(32, cores=1) == {"num_threads": 0, "worker_count": 0}
+    assert image.input_settings(64, cores=4) == {"num_threads": 0, "worker_count": 4}
+    assert image.input_settings(224, cores=4) == {"num_threads": 4, "worker_count": 0}
+    assert sum(image.input_settings(32).values()) >= 0
+    with pytest.raises(ValueError, match="image_side must be a positive int"):
+        image.input_settings(0)

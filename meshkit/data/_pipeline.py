@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grain
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
-from meshkit.data._source import Record, Source, source_fingerprint
+from meshkit.data._source import Record, Source, source_fingerprint, stack_records
 
 Transform = Callable[[Record, np.random.Generator], Record]
 """Per-example map: ``(record, rng) -> record``; ``rng`` is seeded by the example's
@@ -31,11 +31,6 @@ EvalTransform = Callable[[Record], Record]
 
 _UNBOUNDED_STEPS = 2**62
 _SHUFFLE, _AUGMENT = 0, 1  # domain tags: the two random streams never alias
-
-
-def stack_records(records: Sequence[Record]) -> Record:
-    """Stacks records field by field: a list of examples becomes one batch."""
-    return {key: np.stack([record[key] for record in records]) for key in records[0]}
 
 
 def _check_common(source: Any, global_batch_size: int, sharding: NamedSharding) -> DataShard:
@@ -79,6 +74,9 @@ class _Pipeline:
         # (one numpy call); anything else is read and transformed one example at a time,
         # so Grain's threads and workers spread the examples, not only the batches.
         self.per_example = transform is not None or getattr(source, "getitems", None) is None
+        # A transform with a ``batch`` method builds whole batches (vectorised work after
+        # the per-example decode): threads and workers then take whole batches too.
+        self.batched = callable(getattr(transform, "batch", None))
         if num_threads is None:
             # A gather is one numpy call: threads only add their start-up time. Work per
             # example gets two threads.
@@ -164,7 +162,7 @@ class _Pipeline:
         one worker builds from its examples one by one.
         """
         prefetch = self.prefetch if self.num_threads else 0
-        if not self.per_example or self.worker_count > 0:
+        if not self.per_example or self.worker_count > 0 or self.batched:
             batches = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
             read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
             return self._in_workers(batches.to_iter_dataset(read))
@@ -181,7 +179,11 @@ class _Pipeline:
         if self.worker_count == 0:
             return iterable
         _mark_absl_flags_parsed()
-        options = grain.MultiprocessingOptions(num_workers=self.worker_count)
+        # Each worker keeps ``prefetch`` batches ready (Grain's default is 1: a worker
+        # then waits for its one batch to be taken before it builds the next).
+        options = grain.MultiprocessingOptions(
+            num_workers=self.worker_count, per_worker_buffer_size=max(1, self.prefetch)
+        )
         return iterable.mp_prefetch(options)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -293,14 +295,26 @@ class TrainPipeline(_Pipeline):
 
     def example(self, position: int) -> Record:
         self._check_source_length()
+        record, rng = self._read(position)
+        return record if self.transform is None else self.transform(record, rng)  # pyright: ignore[reportArgumentType]
+
+    def local_batch(self, step: int) -> Record:
+        if not self.batched:
+            return super().local_batch(step)
+        self._check_source_length()
+        size = self.shard.size
+        records, rngs = zip(*(self._read(step * size + row) for row in range(size)), strict=True)
+        return self.transform.batch(records, rngs)  # pyright: ignore[reportOptionalMemberAccess, reportAttributeAccessIssue]
+
+    def _read(self, position: int) -> tuple[Record, np.random.Generator | None]:
+        """The source record at ``position`` of this stream and its augmentation generator."""
         step, row = divmod(position, self.shard.size)
         epoch, within = divmod(step, self.steps_per_epoch)
         global_position = within * self.global_batch_size + self.shard.start + row
         record = self.source[int(self.epoch_order(epoch)[global_position])]
         if self.transform is None:
-            return record
-        rng = np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
-        return self.transform(record, rng)
+            return record, None
+        return record, np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.

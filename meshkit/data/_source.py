@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +16,11 @@ from meshkit.data._labels import LABEL_FIELD, check_label_options, check_labels
 
 Record = dict[str, np.ndarray]
 """One example: field name -> array (``{"image": uint8[28, 28, 1], "label": int32[]}``)."""
+
+
+def stack_records(records: Sequence[Record]) -> Record:
+    """Stacks records field by field: a list of examples becomes one batch."""
+    return {key: np.stack([record[key] for record in records]) for key in records[0]}
 
 
 @runtime_checkable

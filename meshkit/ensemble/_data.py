@@ -49,6 +49,8 @@ class MemberTrainPipeline(TrainPipeline):
       member_seeds: each member's shuffle seed, so member ``i`` reads the data in the
         order ``TrainPipeline(seed=member_seeds[i])`` does (a sweep's ``data_seed``);
         ``None``: ``member_seed(seed, i)``.
+      worker_count: Grain worker processes building whole batches (see
+        ``TrainPipeline``; ``meshkit.data.image.input_settings`` suggests one).
 
     Examples:
         >>> import numpy as np, meshkit
@@ -76,6 +78,7 @@ class MemberTrainPipeline(TrainPipeline):
         num_threads: int | None = None,
         prefetch: int = 4,
         member_seeds: Sequence[int] | None = None,
+        worker_count: int = 0,
     ):
         check_int(num_members, name="num_members", minimum=1)
         if member_seeds is None:
@@ -95,6 +98,7 @@ class MemberTrainPipeline(TrainPipeline):
             num_epochs=num_epochs,
             num_threads=num_threads,
             prefetch=prefetch,
+            worker_count=worker_count,
         )
         self.num_members = num_members
         self.members = tuple(
@@ -110,6 +114,7 @@ class MemberTrainPipeline(TrainPipeline):
             for index in range(num_members)
         )
         self.member_seeds = tuple(member_seeds)
+        self.batched = True  # local_batch builds whole [rows, K, ...] batches; threads take them
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``: fields ``[rows, K, ...]``."""

@@ -38,6 +38,8 @@ from meshkit.data.image._ops import random_crop as random_crop
 from meshkit.data.image._ops import random_crop_box as random_crop_box
 from meshkit.data.image._ops import random_resized_crop as random_resized_crop
 from meshkit.data.image._ops import resize as resize
+from meshkit.data.image._settings import DECODE_BOUND_SIDE as DECODE_BOUND_SIDE
+from meshkit.data.image._settings import input_settings as input_settings
 from meshkit.data.image._transforms import EvalTransform as EvalTransform
 from meshkit.data.image._transforms import TrainTransform as TrainTransform
 from meshkit.data.image._transforms import eval_transform as eval_transform
@@ -46,6 +48,7 @@ from meshkit.data.image._transforms import train_transform as train_transform
 __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
+    "DECODE_BOUND_SIDE",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "EvalTransform",
@@ -56,6 +59,7 @@ __all__ = [
     "encode",
     "eval_transform",
     "horizontal_flip",
+    "input_settings",
     "normalize",
     "random_crop",
     "random_crop_box",

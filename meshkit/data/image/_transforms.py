@@ -9,12 +9,12 @@ come from the pipeline's per-example generator, in a fixed order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from meshkit.data._source import Record
+from meshkit.data._source import Record, stack_records
 from meshkit.data.image._ops import (
     MODES,
     Resample,
@@ -27,8 +27,8 @@ from meshkit.data.image._ops import (
     check_resample,
     decode,
     decode_and_random_crop,
-    horizontal_flip,
     normalize,
+    normalize_batch,
     random_crop,
     random_resized_crop,
 )
@@ -63,6 +63,34 @@ class TrainTransform:
     channels: int | None = 3
 
     def __call__(self, record: Mapping[str, Any], rng: np.random.Generator) -> Record:
+        array, flip = self._crop(record, rng)
+        image = normalize(array[:, ::-1] if flip else array, self.mean, self.std)
+        return {**record, "image": image, **_label(record)}
+
+    def batch(
+        self, records: Sequence[Mapping[str, Any]], rngs: Sequence[np.random.Generator]
+    ) -> Record:
+        """The transform of every record, stacked: ``stack_records(map(self, ...))``.
+
+        Decoding and cropping stay per example (with the same random draws, in the same
+        order); flips and normalisation run once over the stacked uint8 batch, which
+        saves most of the per-example overhead for small images. Equal to the
+        per-example results (pixel for pixel; tested).
+        """
+        crops = [self._crop(record, rng) for record, rng in zip(records, rngs, strict=True)]
+        pixels = np.stack([array for array, _ in crops])
+        flips = np.fromiter((flip for _, flip in crops), bool, len(crops))
+        if flips.any():
+            pixels[flips] = pixels[flips, :, ::-1]
+        batch = {"image": normalize_batch(pixels, self.mean, self.std)}
+        rest = [{k: v for k, v in record.items() if k != "image"} for record in records]
+        rest = [{**record, **_label(record)} for record in rest]
+        if rest and rest[0]:
+            batch |= stack_records(rest)
+        return batch
+
+    def _crop(self, record: Mapping[str, Any], rng: np.random.Generator) -> tuple[np.ndarray, bool]:
+        """The cropped image (before flip and normalisation) and the flip drawn for it."""
         value = record["image"]
         array = _image_array(value)
         if self.padding is not None:
@@ -83,8 +111,7 @@ class TrainTransform:
             array = random_resized_crop(
                 array, self.size, rng, scale=self.scale, ratio=self.ratio, resample=self.resample
             )
-        array = horizontal_flip(array, rng, self.flip)
-        return {**record, "image": normalize(array, self.mean, self.std), **_label(record)}
+        return array, bool(rng.random() < self.flip)  # horizontal_flip's one draw
 
 
 @dataclasses.dataclass(frozen=True)
