@@ -79,7 +79,7 @@ def raw_loop(encoded: list[bytes], trained: int) -> Callable[[int], tuple[float,
                 w = min(width, round(math.sqrt(area * aspect)))
                 h = min(height, round(math.sqrt(area / aspect)))
                 left, top = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
-                box = (left, top, left + w, top + h)
+                box = (float(left), float(top), float(left + w), float(top + h))
                 pixels = np.asarray(img.convert("RGB").resize((trained, trained), box=box))
             if rng.random() < 0.5:
                 pixels = pixels[:, ::-1]
@@ -121,7 +121,10 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
         trained, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, scale=SCALE
     )
     default = image.input_settings(trained)
-    settings = {"threads=0": {"num_threads": 0}, "threads=2": {"num_threads": 2}}
+    settings: dict[str, dict[str, Any]] = {
+        "threads=0": {"num_threads": 0},
+        "threads=2": {"num_threads": 2},
+    }
     settings |= {f"workers={n}": {"worker_count": n} for n in workers if n > 0}
     settings["default"] = default
     candidates: dict[str, tuple[Callable[[int], tuple[float, float]], int]] = {
@@ -147,7 +150,8 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
             global_batch_size=BATCH,
             sharding=layout.batch_sharding,
             transform=transform,
-            **default,
+            num_threads=default["num_threads"],
+            worker_count=default["worker_count"],
         )
         candidates[f"members={k}"] = (pipeline_run(pipeline), k)
     return candidates

@@ -304,7 +304,8 @@ class TrainPipeline(_Pipeline):
         self._check_source_length()
         size = self.shard.size
         records, rngs = zip(*(self._read(step * size + row) for row in range(size)), strict=True)
-        return self.transform.batch(records, rngs)  # pyright: ignore[reportOptionalMemberAccess, reportAttributeAccessIssue]
+        build_batch: Callable[..., Record] = getattr(self.transform, "batch")  # noqa: B009
+        return build_batch(records, rngs)
 
     def _read(self, position: int) -> tuple[Record, np.random.Generator | None]:
         """The source record at ``position`` of this stream and its augmentation generator."""
