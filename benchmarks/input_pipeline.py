@@ -15,7 +15,11 @@ The embedded digits are written as JPEG image records (quality 90) at 32×32, 64
   - ``threads=0``: batches built in the caller's thread;
   - ``threads=N``: N Grain threads, each building whole batches;
   - ``workers=N``: N Grain worker processes, each building whole batches;
-  - ``default``: ``meshkit.data.image.input_settings(side)``, what the recipe uses.
+  - ``host default``: ``meshkit.data.image.input_settings(side)``;
+  - ``decode only`` (small images): the same settings with ``decode_transform``: the
+    host ships uint8 batches and the train step augments them
+    (``device_augmentation``), the recipe's default below 128 pixels a side. The
+    device's cost for a batch (jitted, on the 8 fake CPU devices) is reported apart.
 - ``members=K`` (small images): the default settings reading K orders of the same
   images at once (a ``MemberTrainPipeline``, as a sweep with a ``data_seed`` per member
   reads them), counted in images delivered (K per row).
@@ -126,7 +130,9 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
         "threads=2": {"num_threads": 2},
     }
     settings |= {f"workers={n}": {"worker_count": n} for n in workers if n > 0}
-    settings["default"] = default
+    settings["host default"] = default
+    if trained < image.DECODE_BOUND_SIDE:  # the recipe augments small images on the device
+        settings["decode only"] = {**default, "transform": image.decode_transform(trained)}
     candidates: dict[str, tuple[Callable[[int], tuple[float, float]], int]] = {
         name: (
             pipeline_run(
@@ -134,8 +140,7 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
                     source,
                     global_batch_size=BATCH,
                     sharding=sharding,
-                    transform=transform,
-                    **kwargs,
+                    **({"transform": transform} | kwargs),
                 )
             ),
             1,
@@ -177,6 +182,30 @@ def measure(candidates: dict) -> dict[str, dict[str, float]]:
         }
         for name in names
     }
+
+
+def device_augment_seconds(stored: int, trained: int) -> float:
+    """Median seconds of ``device_augmentation`` (the recipe's crop, flip and normalise)
+    on a uint8 batch of ``stored``-side images, jitted, on this process's devices."""
+    import jax
+
+    from meshkit.data import image
+
+    augment = jax.jit(
+        image.device_augmentation(
+            trained, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, scale=SCALE
+        )
+    )
+    pixels = np.random.default_rng(0).integers(0, 256, (BATCH, stored, stored, 3), np.uint8)
+    images = meshkit.shard_batch(pixels, meshkit.batch_sharding(meshkit.make_mesh("data=-1")))
+    key = jax.random.key(0)
+    augment(images, key).block_until_ready()
+    times = []
+    for index in range(10):
+        start = time.perf_counter()
+        augment(images, jax.random.fold_in(key, index)).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def model_step_seconds() -> float:
@@ -255,11 +284,23 @@ def main() -> None:
                     f"{row['images_per_s']:>10,.0f} {row['ratio_to_limit']:>8.2f} "
                     f"{row['startup_s']:>11.2f}"
                 )
+            small = trained < image.DECODE_BOUND_SIDE
+            default = rows["decode only" if small else "host default"]
+            augment = device_augment_seconds(stored, trained)
+            chosen = "decode only + device augmentation" if small else "host default"
+            print(
+                f"recipe default: {chosen} ({default['ratio_to_limit']:.2f}× limit); "
+                "device augmentation of a batch on "
+                f"8 CPU devices: {augment * 1e3:.1f} ms"
+            )
             results[label] = {
                 "one_core_limit_images_per_second": one_core,
                 "limit_images_per_second": limit,
-                "default_images_per_second": rows["default"]["images_per_s"],
+                "default_images_per_second": default["images_per_s"],
                 "default_settings": image.input_settings(trained),
+                "default_augmentation": "device" if small else "host",
+                "host_default_images_per_second": rows["host default"]["images_per_s"],
+                "device_augment_ms_per_batch": augment * 1e3,
                 "candidates": rows,
             }
     step = model_step_seconds()

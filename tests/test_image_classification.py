@@ -52,7 +52,8 @@ def test_default_data_and_model_learn_the_digits(tmp_path):
     assert summary["model"] == "resnet18" and summary["hyperparameters"]["width"] == 16
     assert summary["test_examples"] == 360 and summary["test_accuracy"] >= 0.9
     assert summary["train_step_compiles"] == 1 and summary["images_per_second_per_host"] > 0
-    assert summary["input_wait_fraction"] < 0.05  # one Grain worker decodes and augments
+    assert summary["hyperparameters"]["augment"] == "device"  # the host decodes, the step crops
+    assert summary["input_wait_fraction"] < 0.05
 
 
 def test_converted_image_folder_trains_alike_on_one_and_two_processes(tmp_path):
@@ -67,6 +68,9 @@ def test_converted_image_folder_trains_alike_on_one_and_two_processes(tmp_path):
         assert convert.main(argv) == 0
     args = ["--data-dir", str(records), "--image-size", "16", "--width", "8"]
     args += ["--batch-size", "16", "--steps", "3", "--eval-every", "3", "--warmup-steps", "1"]
+    # At the default rate (0.1) three steps leave a test loss near 10, whose logits turn
+    # rounding differences of 1e-7 in the batch statistics into 1e-3; at 0.01 they stay 1e-7.
+    args += ["--learning-rate", "0.01"]
 
     one = run_recipe(*args, "--workdir", str(tmp_path / "one"))
     two_dir = str(tmp_path / "two")

@@ -24,6 +24,10 @@ Examples:
     ((32, 32, 3), dtype('float32'), dtype('int32'))
 """
 
+from meshkit.data.image._device import DecodeTransform as DecodeTransform
+from meshkit.data.image._device import DeviceAugmentation as DeviceAugmentation
+from meshkit.data.image._device import decode_transform as decode_transform
+from meshkit.data.image._device import device_augmentation as device_augmentation
 from meshkit.data.image._ops import CIFAR10_MEAN as CIFAR10_MEAN
 from meshkit.data.image._ops import CIFAR10_STD as CIFAR10_STD
 from meshkit.data.image._ops import IMAGENET_MEAN as IMAGENET_MEAN
@@ -51,11 +55,15 @@ __all__ = [
     "DECODE_BOUND_SIDE",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "DecodeTransform",
+    "DeviceAugmentation",
     "EvalTransform",
     "TrainTransform",
     "center_crop",
     "decode",
     "decode_and_random_crop",
+    "decode_transform",
+    "device_augmentation",
     "encode",
     "eval_transform",
     "horizontal_flip",
