@@ -13,7 +13,10 @@ do. Each line a process prints comes out prefixed with its rank (``[1] ...``).
 Signals: the first Ctrl-C (SIGINT), a SIGTERM and a hangup (SIGHUP: the terminal or
 the ssh session closed) reach every process as SIGTERM, which a ``meshkit.train.fit``
 run treats as a preemption: every process saves a checkpoint at the same step and
-exits with code 75. A second Ctrl-C kills them. If the launcher itself dies (SIGKILL,
+exits with code 75. A second Ctrl-C kills them, and so does the launcher when they
+have not exited ``--stop-grace`` seconds (60) after the request, naming those still
+running (a process stuck in a collective or in its input never reaches the save
+point). If the launcher itself dies (SIGKILL,
 a crash), a watchdog process kills its processes at once, so none is left running
 unsupervised. When one process fails, the others would wait for it in their next
 collective, so they are stopped after a grace period (``--grace``, 5 s: SIGTERM,
@@ -47,6 +50,10 @@ DEFAULT_GRACE = 5.0
 """Seconds the other processes get after one fails, before they are stopped."""
 KILL_AFTER_TERM = 3.0
 """Seconds between the SIGTERM that stops a process and the SIGKILL."""
+DEFAULT_STOP_GRACE = 60.0
+"""Seconds processes get to save and exit after a stop request (Ctrl-C, SIGTERM, SIGHUP)
+before the launcher kills them; SLURM's and Kubernetes' defaults are 30 s, a save at
+scale can take longer."""
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line, or a \r progress update
 
 
@@ -151,6 +158,7 @@ class LocalProcesses:
             )
         self.command = list(command)
         self._watchdog = Watchdog()  # kills the processes if the launcher dies first
+        self.stop_requested: float | None = None  # when a stop was first requested
         coordinator = f"127.0.0.1:{free_port()}"
         sink: BinaryIO = out if out is not None else sys.stdout.buffer
         lock = threading.Lock()
@@ -197,12 +205,25 @@ class LocalProcesses:
             child.wait()
         self._watchdog.close()
 
-    def wait(self, *, timeout: float | None = None, grace: float = DEFAULT_GRACE) -> int:
+    def request_stop(self, signum: int) -> None:
+        """Asks every process to save and stop (SIGTERM), starting the stop grace period."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+        self.signal(signum)
+
+    def wait(
+        self,
+        *,
+        timeout: float | None = None,
+        grace: float = DEFAULT_GRACE,
+        stop_grace: float = DEFAULT_STOP_GRACE,
+    ) -> int:
         """Waits for every process and returns the launch's exit code.
 
         When a process fails, the others get ``grace`` seconds to finish (they may be
         failing too and printing why), then SIGTERM, then SIGKILL ``KILL_AFTER_TERM``
-        seconds later.
+        seconds later. After a stop request (``request_stop``), processes still running
+        ``stop_grace`` seconds later are killed, and named.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         first_failure: tuple[int, int] | None = None  # (rank, code)
@@ -223,6 +244,14 @@ class LocalProcesses:
             if all(code is not None for code in codes):
                 break
             now = time.monotonic()
+            if self.stop_requested is not None and now > self.stop_requested + stop_grace:
+                running = [str(rank) for rank, code in enumerate(codes) if code is None]
+                self._note(
+                    f"process(es) {', '.join(running)} did not exit within {stop_grace:.0f} s "
+                    "of the stop request (--stop-grace); killing them (SIGKILL)"
+                )
+                self.stop_requested = None
+                self.signal(signal.SIGKILL)
             if deadline is not None and now > deadline:
                 self._note(f"--timeout of {timeout:.0f} s passed; killing every process")
                 self.kill()
@@ -257,6 +286,7 @@ def launch(
     devices_per_process: int = 4,
     timeout: float | None = None,
     grace: float = DEFAULT_GRACE,
+    stop_grace: float = DEFAULT_STOP_GRACE,
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Runs ``command`` in ``processes`` local processes; returns the exit code.
@@ -264,8 +294,9 @@ def launch(
     While they run, the first SIGINT (Ctrl-C), SIGTERM or SIGHUP reaches every process
     as SIGTERM (a ``fit`` run saves and exits with code 75) and a second SIGINT kills
     them (signal handlers are installed only when called from the main thread; an
-    ignored SIGHUP, as under ``nohup``, stays ignored). See the module docstring for the
-    environment and the exit code.
+    ignored SIGHUP, as under ``nohup``, stays ignored). Processes still running
+    ``stop_grace`` seconds after such a stop request are killed. See the module
+    docstring for the environment and the exit code.
 
     Examples:
         >>> import sys
@@ -285,7 +316,7 @@ def launch(
             watched.append(signal.SIGHUP)
         previous = {sig: signal.signal(sig, forward) for sig in watched}
     try:
-        return group.wait(timeout=timeout, grace=grace)
+        return group.wait(timeout=timeout, grace=grace, stop_grace=stop_grace)
     finally:
         group.kill()
         for sig, handler in previous.items():
@@ -313,7 +344,7 @@ class _Forwarder:
             )
         elif signum == signal.SIGHUP:
             LocalProcesses._note("hangup: asking every process to save and stop (SIGTERM)")
-        self.group.signal(signal.SIGTERM)
+        self.group.request_stop(signal.SIGTERM)
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -340,6 +371,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="seconds the others get after one process fails, before SIGTERM "
         f"(then SIGKILL {KILL_AFTER_TERM:.0f} s later; default {DEFAULT_GRACE:.0f})",
     )
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE,
+        help="seconds the processes get to save and exit after Ctrl-C, SIGTERM or SIGHUP, "
+        f"before they are killed (default {DEFAULT_STOP_GRACE:.0f})",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -364,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices_per_process=args.devices_per_process,
             timeout=args.timeout,
             grace=args.grace,
+            stop_grace=args.stop_grace,
         )
     except FileNotFoundError as error:
         print(f"[launch] {error}", file=sys.stderr)

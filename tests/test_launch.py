@@ -181,6 +181,37 @@ def test_a_second_ctrl_c_kills_every_process():
     assert all(is_gone(pid) for pid in pids)
 
 
+def test_processes_that_do_not_stop_are_killed_after_the_stop_grace_period():
+    # As a process stuck in a collective or its input: the SIGTERM never gets handled.
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshkit.launch",
+            "--stop-grace",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            IGNORE_SIGTERM,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = [int(line.split()[-1]) for line in first_lines(launcher)]
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)  # as `timeout` or a cluster's scancel sends it
+    _, err = launcher.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert (
+        "[launch] process(es) 0, 1 did not exit within 2 s of the stop request "
+        "(--stop-grace); killing them (SIGKILL)" in err
+    )
+    assert all(is_gone(pid) for pid in pids)
+
+
 def test_the_processes_die_with_a_killed_launcher():
     # Started in sessions of their own, they used to be re-parented to PID 1 and run on.
     launcher, ready = start_launcher(IGNORE_SIGTERM)
