@@ -405,3 +405,30 @@ def test_every_annotation_style_places_its_parameter_and_none_is_replicated_sile
     nnx_model = mtrain.nnx_model(lambda rngs: nnx.Linear(8, 16, kernel_init=init, rngs=rngs))
     state = mtrain.create_train_state(nnx_model, tx, mesh)
     assert state.params["kernel"].value.sharding.spec == P(None, "model")
+
+
+@pytest.mark.devices(8)
+def test_a_mesh_axis_that_places_nothing_is_named_once_with_the_fix(caplog):
+    from meshkit.train import _state
+
+    model = mtrain.linen_model(nn.Dense(8), jnp.zeros((1, 8)))
+    _state._WARNED_UNUSED.clear()
+    with caplog.at_level(logging.WARNING, logger="meshkit"):
+        mtrain.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=4,modle=2"))
+        mtrain.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=4,modle=2"))
+    warnings = [r.getMessage() for r in caplog.records if "places no parameter" in r.getMessage()]
+    assert warnings == [
+        "Mesh axis 'modle' (size 2; a typo for 'model'?) of the mesh {'data': 4, 'modle': 2} "
+        "places no parameter or optimizer state and is not a batch axis: its 2 devices would "
+        "each repeat the same work. Shard parameters over it (PartitionRules, a logical "
+        "table, nn.with_partitioning) or leave it out of the mesh."
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="meshkit"):  # used: no warning
+        wide = mtrain.linen_model(nn.Dense(64), jnp.zeros((1, 64)))
+        rules = PartitionRules([(".*kernel", P(None, "model"))])
+        mtrain.create_train_state(
+            wide, optax.sgd(0.1), meshkit.make_mesh("data=4,model=2"), rules=rules
+        )
+        mtrain.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=8"))
+    assert "places no parameter" not in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,9 +16,17 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from meshkit._logical import ActivationRules, Names, leaf_names, split_axes_collections, unbox
+from meshkit._logical import (
+    ActivationRules,
+    Names,
+    leaf_names,
+    split_axes_collections,
+    table_axis_names,
+    unbox,
+)
+from meshkit._mesh import DATA_AXIS
 from meshkit._pytree import path_str
-from meshkit._rules import PartitionRules, infer_shardings
+from meshkit._rules import PartitionRules, infer_shardings, logger
 from meshkit.train._precision import LossScale, Precision
 
 Variables = dict[str, Any]
@@ -398,8 +407,45 @@ def create_train_state(
     policy = Precision.of(precision)
     abstract = abstract_train_state(model, tx, seed, precision=policy)
     shardings = train_state_shardings(abstract, mesh, rules)
+    warn_unused_axes(shardings, mesh, rules)
     state = jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
     return _with_activation_rules(state, mesh, rules)
+
+
+_WARNED_UNUSED: set[tuple[tuple[tuple[str, int], ...], str]] = set()
+_BATCH_AXES = (DATA_AXIS, "ensemble", "fsdp")  # axes a batch is usually split over
+_COMMON_AXES = ("data", "model", "fsdp", "tensor", "expert", "seq", "ensemble", "pipeline")
+
+
+def warn_unused_axes(shardings: Any, mesh: Mesh, rules: PartitionRules | None) -> None:
+    """Warns once for each mesh axis (size > 1) that no leaf of ``shardings`` uses, that
+    ``rules``' logical table does not name and that does not usually carry the batch:
+    every device along it would repeat the same work."""
+    used = set(_BATCH_AXES)
+    for sharding in jax.tree.leaves(shardings):
+        for entry in getattr(sharding, "spec", ()):
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    if rules is not None and rules.logical is not None:
+        used.update(table_axis_names(rules.logical))
+    shape = tuple(mesh.shape.items())
+    for axis, size in shape:
+        if size == 1 or axis in used or (shape, axis) in _WARNED_UNUSED:
+            continue
+        _WARNED_UNUSED.add((shape, axis))
+        close = difflib.get_close_matches(axis, [*mesh.shape, *_COMMON_AXES], n=2, cutoff=0.6)
+        close = [name for name in close if name != axis]
+        hint = f"; a typo for {close[0]!r}?" if close else ""
+        logger.warning(
+            "Mesh axis %r (size %d%s) of the mesh %s places no parameter or optimizer state "
+            "and is not a batch axis: its %d devices would each repeat the same work. Shard "
+            "parameters over it (PartitionRules, a logical table, nn.with_partitioning) or "
+            "leave it out of the mesh.",
+            axis,
+            size,
+            hint,
+            dict(mesh.shape),
+            size,
+        )
 
 
 def state_shardings_of(state: TrainState) -> TrainState:
