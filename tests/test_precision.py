@@ -218,3 +218,36 @@ def test_ensemble_members_compute_in_bf16():
     state, metrics = step(state, batch)
     assert state.precision.name == "bf16" and np.isfinite(float(metrics["loss"]))
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+
+
+def test_steps_skipped_at_every_scale_stop_the_run_with_the_cause(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    policy = train.Precision("f16", initial_loss_scale=2.0**4)
+    state, _, pipeline = build(mesh, precision=policy)
+
+    def root_at_zero(params, state, batch, rng):  # finite loss, gradients inf * 0 = NaN
+        loss, output = train.classification_loss(params, state, batch, rng)
+        kernel = params["Dense_0"]["kernel"]
+        return loss + jnp.sum(jnp.sqrt(jnp.abs(kernel - jax.lax.stop_gradient(kernel)))), output
+
+    step = train.make_train_step(
+        root_at_zero, train.state_shardings_of(state), meshkit.batch_sharding(mesh)
+    )
+    with pytest.raises(train.NonFiniteLossError) as info:
+        train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=300,
+            workdir=str(tmp_path),
+            logging=train.Logging(every=25, progress=False),
+            checkpoints=train.Checkpoints(every=50),
+        )
+    message = str(info.value)
+    assert message.startswith(
+        "Training stopped at step 100: the last 100 steps (from step 1) were all skipped "
+        "because their float16 gradients overflowed"
+    )
+    assert "have not changed since step 0" in message and "precision='bf16'" in message
+    # Checked before the step-100 checkpoint: the newest is the one before.
+    assert f"The newest checkpoint is step 50 in {tmp_path / 'checkpoints'}" in message

@@ -21,6 +21,12 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or the gradient norm stopped being finite; the run was stopped."""
 
 
+MAX_SKIPPED_STEPS = 100
+"""Consecutive float16 steps skipped for overflowing gradients after which ``fit``
+stops: a loss scale that halved every time and still overflows (down to 1) means the
+gradients overflow at any scale, and the parameters would never change again."""
+
+
 class Records:
     """Checks each interval read, updates the progress bar, and writes the records.
 
@@ -45,6 +51,7 @@ class Records:
         self.learning_rate = learning_rate
         self.last: dict[str, Any] = {}
         self._since: tuple[int, float, float, float] | None = None  # step, time, paused, wait
+        self._skipped_since: int | None = None  # first step of the current run of skips
 
     def start(self, step: int) -> None:
         """The run starts after ``step``: writers drop what an earlier run recorded later."""
@@ -59,6 +66,7 @@ class Records:
         """
         if read.first_bad_step is not None:
             raise self._non_finite(read)
+        self._check_skipped(read)
         values = dict(read.means)
         if self.learning_rate is not None:
             values["learning_rate"] = _rate_at(self.learning_rate, read.last)
@@ -92,6 +100,36 @@ class Records:
             f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
             f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
             "learning rate, check the data for NaNs, or add gradient clipping."
+        )
+
+    def _check_skipped(self, read: IntervalRead) -> None:
+        """Counts the float16 steps skipped in a row, over whole intervals: an interval
+        whose every step was skipped extends the run, any other ends it."""
+        if "skipped" not in read.means:
+            return
+        if read.means["skipped"] < 1.0:
+            self._skipped_since = None
+            return
+        if self._skipped_since is None:
+            self._skipped_since = read.first
+        skipped = read.last - self._skipped_since + 1
+        if skipped < MAX_SKIPPED_STEPS:
+            return
+        latest = self.checkpointer.latest_step()
+        kept = (
+            f"The newest checkpoint is step {latest} in {self.checkpointer.directory}"
+            if latest is not None
+            else "No checkpoint was saved"
+        )
+        raise NonFiniteLossError(
+            f"Training stopped at step {read.last}: the last {skipped} steps (from step "
+            f"{self._skipped_since}) were all skipped because their float16 gradients "
+            "overflowed (mean loss scale over the last record: "
+            f"{read.means.get('loss_scale', float('nan')):g}), so the parameters have not "
+            f"changed since step {self._skipped_since - 1}. {kept}. The gradients are not "
+            "finite at any scale: check the loss and the data for infinities, a division "
+            "or square root at zero, or train in bf16 or f32 "
+            "(create_train_state(..., precision='bf16'))."
         )
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
