@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 from pathlib import Path
@@ -296,3 +297,20 @@ def test_two_processes_save_the_digest_of_one_and_fall_back_together(tmp_path):
     state, _ = checkpointer.restore(placed(saved, mesh), step=1)  # verified
     checkpointer.close()
     np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved["w"])
+
+
+def test_an_edited_data_state_is_damage_and_resume_falls_back(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    saved = save_two_steps(tmp_path, mesh)
+    data_file = tmp_path / "2" / "data" / "metadata"  # Orbax's JSON item: {"step": 2}
+    data_file.write_text(json.dumps(json.loads(data_file.read_text()) | {"step": 7}))
+    checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
+    with pytest.raises(
+        train.CheckpointDamagedError,
+        match=r'its data state \{"step": 7\} differs from the digest saved with it',
+    ):
+        checkpointer.restore(placed(saved[2], mesh))
+    with pytest.warns(UserWarning, match=r"step 2 .* is damaged: its data state .*step 1"):
+        resumed = checkpointer.resume(placed(saved[2], mesh))
+    assert resumed is not None and resumed.step == 1 and resumed.data == {"step": 1}
+    checkpointer.close()

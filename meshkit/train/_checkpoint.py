@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
-from meshkit.train._digest import digest_damage
+from meshkit.train._digest import checkpoint_damage
 from meshkit.train._orbax import Storage, os_error, root_cause
 
 
@@ -89,9 +89,9 @@ class Checkpointer:
 
     Saves are asynchronous (the arrays are copied off the devices, then written in the
     background), happen every ``save_every`` steps, and the latest ``keep`` are kept.
-    Each checkpoint also holds a digest of the state (``tree_digest``), checked when it
-    is restored: damaged files raise ``CheckpointDamagedError`` instead of restoring
-    wrong values. A failed background save raises ``CheckpointSaveError`` at the next
+    Each checkpoint also holds a digest of the state (``tree_digest``) and of the data
+    state, checked when it is restored: damaged files, or an edited data state, raise
+    ``CheckpointDamagedError`` instead of restoring wrong values or a wrong position. A failed background save raises ``CheckpointSaveError`` at the next
     call to ``should_save``, ``save``, ``wait`` or ``close``.
 
     Examples:
@@ -219,7 +219,7 @@ class Checkpointer:
                 stacklevel=2,
             )
         else:
-            damage = digest_damage(read.digest, read.state)
+            damage = checkpoint_damage(read.digest, read.state, read.data)
             if not _everywhere(not damage):
                 raise self._damaged(step, damage or "another process read other values")
         return read.state, read.data

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from typing import Any
 
 import jax
@@ -104,3 +106,41 @@ def digest_damage(saved: dict[str, list[int]], tree: Any) -> str:
         return ""
     shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     return f"{len(differ)} of {len(saved)} arrays differ from the digest saved with it ({shown})"
+
+
+DATA_STATE_KEY = "<data state>"
+"""The digest's entry for the data state (no leaf path has angle brackets)."""
+
+
+def json_digest(value: Any) -> list[int]:
+    """Two checksums (CRC-32, Adler-32) of ``value`` as canonical JSON (sorted keys).
+
+    Examples:
+        >>> json_digest({"step": 20}) == json_digest({"step": 20})
+        True
+        >>> json_digest({"step": 20}) != json_digest({"step": 25})
+        True
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return [zlib.crc32(text), zlib.adler32(text)]
+
+
+def checkpoint_digest(state: Any, data: dict[str, Any]) -> dict[str, list[int]]:
+    """The digest a checkpoint holds: ``tree_digest(state)`` and the data state's."""
+    return {**tree_digest(state), DATA_STATE_KEY: json_digest(data)}
+
+
+def checkpoint_damage(saved: dict[str, list[int]], state: Any, data: dict[str, Any]) -> str:
+    """``""`` if ``state`` and ``data`` match a ``checkpoint_digest``, else what differs.
+
+    A digest saved before it covered the data state checks the state alone.
+    """
+    saved = dict(saved)
+    data_saved = saved.pop(DATA_STATE_KEY, None)
+    damage = digest_damage(saved, state)
+    if damage or data_saved is None or data_saved == json_digest(data):
+        return damage
+    return (
+        f"its data state {json.dumps(data, sort_keys=True)[:200]} differs from the digest "
+        "saved with it (the data iterator's position would be wrong)"
+    )

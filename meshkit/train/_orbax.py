@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from meshkit.train._digest import tree_digest
+from meshkit.train._digest import checkpoint_digest
 
 TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a step still being written
 
@@ -50,7 +50,8 @@ class Storage:
     """Orbax's ``CheckpointManager`` over the step folders of ``directory``, latest ``keep`` kept.
 
     Saves are asynchronous. Each checkpoint holds three items: ``state``, ``data`` and
-    ``digest`` (``tree_digest`` of the state, computed at the save).
+    ``digest`` (``checkpoint_digest``: ``tree_digest`` of the state and a checksum of
+    the data state, computed at the save).
     """
 
     def __init__(self, directory: epath.Path, keep: int):
@@ -83,7 +84,7 @@ class Storage:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),  # pyright: ignore[reportCallIssue]
             data=ocp.args.JsonSave(data),  # pyright: ignore[reportCallIssue]
-            digest=ocp.args.JsonSave(tree_digest(state)),  # pyright: ignore[reportCallIssue]
+            digest=ocp.args.JsonSave(checkpoint_digest(state, data)),  # pyright: ignore[reportCallIssue]
         )
         return self._manager.save(step, args=args, force=force)
 
