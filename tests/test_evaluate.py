@@ -46,6 +46,23 @@ def test_full_eval_counts_every_example_once_and_matches_numpy(n):
     np.testing.assert_array_equal(result.per_example["pred"], 3 * data["x"])
 
 
+def test_a_non_finite_example_is_counted_by_name_and_warned_about():
+    mesh = meshkit.make_mesh("data=-1")
+    clean = full_eval(per_example, 3.0, arrays(20), mesh=mesh, batch_size=B)
+    assert sorted(clean.metrics) == ["abs_error", "pred", "ratio"]  # no count when none
+    data = arrays(20)
+    data["x"][[4, 11]] = 0.0  # 0 / 0: two real examples give a NaN ratio
+    for evaluate in (full_eval, stream_eval):
+        with pytest.warns(UserWarning, match=r"of 20 examples, 2 gave a non-finite ratio"):
+            if evaluate is full_eval:
+                result = full_eval(per_example, 3.0, data, mesh=mesh, batch_size=B)
+            else:
+                batches = [{k: v[i : i + 8] for k, v in data.items()} for i in range(0, 20, 8)]
+                result = stream_eval(per_example, 3.0, iter(batches), mesh=mesh, rows_per_process=8)
+        assert result.metrics["nonfinite/ratio"] == 2 and np.isnan(result.metrics["ratio"])
+        assert "nonfinite/abs_error" not in result.metrics and result.count == 20
+
+
 def test_full_eval_compiles_once_for_every_size():
     mesh = meshkit.make_mesh("data=-1")
 

@@ -20,6 +20,7 @@ from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator
 from meshkit.evaluate._steps import (
     Totals,
     check_per_example,
+    finish_metrics,
     masked_sums,
     per_example_values,
     zero_totals,
@@ -195,5 +196,5 @@ def _result(
     if collect:
         order = np.argsort(np.concatenate(indices), kind="stable")
         per_example = {name: np.concatenate(parts[name])[order] for name in collect}
-    metrics = {name: float(value) / count for name, value in host.items()}
+    metrics = finish_metrics(host, count)
     return EvalResult(metrics, count, per_example, pipeline.num_steps or 0)

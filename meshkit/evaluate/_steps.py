@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -99,8 +100,39 @@ def masked_sums(
         name: jnp.sum(jnp.where(_rows_mask(mask, value), value, 0).astype(jnp.float32))
         for name, value in values.items()
     }
+    for name, value in values.items():  # real rows with a NaN or an infinity, by name
+        if jnp.issubdtype(value.dtype, jnp.inexact):
+            bad = ~jnp.isfinite(value).reshape(value.shape[0], -1).all(axis=1)
+            sums[NONFINITE + name] = jnp.sum(bad & mask).astype(jnp.float32)
     sums["count"] = jnp.sum(mask.astype(jnp.int32))
     return sums
+
+
+NONFINITE = "nonfinite/"
+"""Totals (and result metrics, where not 0) counting the real examples whose value of a
+metric was NaN or infinite: ``nonfinite/loss``."""
+
+
+def finish_metrics(host: dict[str, Any], count: int) -> dict[str, Any]:
+    """The metric means of host totals (``count`` popped), with each ``nonfinite/``
+    count kept as a count where it is not 0, and a warning naming it."""
+    metrics: dict[str, Any] = {}
+    for name, value in host.items():
+        if not name.startswith(NONFINITE):
+            metrics[name] = float(value) / count
+        elif value:
+            metrics[name] = int(value)
+    bad = {name[len(NONFINITE) :]: metrics[name] for name in metrics if name.startswith(NONFINITE)}
+    if bad:
+        listed = ", ".join(f"{number} gave a non-finite {name}" for name, number in bad.items())
+        warnings.warn(
+            f"Evaluation: of {count} examples, {listed} (NaN or infinity), so those means "
+            "are not finite; the counts are in the metrics as "
+            f"{sorted(NONFINITE + name for name in bad)}. Check those examples' inputs (a "
+            "NaN pixel, an empty text) and the model's numerics.",
+            stacklevel=3,
+        )
+    return metrics
 
 
 def _rows_mask(mask: jax.Array, value: jax.Array) -> jax.Array:
@@ -151,4 +183,8 @@ def _metric_names(
     del signature  # the cache key
     state, batch = inputs.value
     values = jax.eval_shape(functools.partial(per_example_values, per_example_fn), state, batch)
-    return tuple(name for name in values if name not in collect)
+    names = tuple(name for name in values if name not in collect)
+    inexact = tuple(
+        NONFINITE + name for name in names if jnp.issubdtype(values[name].dtype, jnp.inexact)
+    )
+    return names + inexact

@@ -18,7 +18,13 @@ from meshkit._pytree import leading_rows
 from meshkit._types import PerExampleFn
 from meshkit.data import Record
 from meshkit.evaluate._full_eval import EvalResult
-from meshkit.evaluate._steps import Totals, masked_sums, per_example_values, zero_totals
+from meshkit.evaluate._steps import (
+    Totals,
+    finish_metrics,
+    masked_sums,
+    per_example_values,
+    zero_totals,
+)
 
 
 @functools.lru_cache(maxsize=32)
@@ -128,5 +134,5 @@ def stream_eval(
         pending_more = more
     host = to_host(totals)
     count = int(host.pop("count"))
-    metrics = {name: float(value) / count for name, value in host.items()} if count else {}
+    metrics = finish_metrics(host, count) if count else {}
     return EvalResult(metrics=metrics, count=count, per_example={}, num_steps=steps)
