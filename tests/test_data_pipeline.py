@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -311,3 +312,25 @@ def test_per_example_batches_do_not_depend_on_threads_or_read_path(kind):
         last = expected[-1]
         assert last["mask"].tolist() == [True] * 4 + [False] * 12
         assert last["index"].tolist() == [96, 97, 98, 99] + [-1] * 12
+
+
+def shift_label(record, rng):
+    """A transform with a bug: label 9 becomes 10, outside the source's 10 classes."""
+    return {**record, "label": np.asarray(record["label"] + 1)}
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_transform_that_maps_labels_out_of_the_classes_names_the_example(threads):
+    source = ArraySource(
+        {"x": np.arange(40, dtype=np.float32), "label": np.arange(40) % 10}, num_classes=10
+    )
+    bad = pipeline(source, batch=8, transform=shift_label, num_threads=threads)
+    expected = (
+        r"ArraySource after the transform function: label 10 at source index (\d+) "
+        r"is outside the classes \[0, 10\)"
+    )
+    with pytest.raises(ValueError, match=expected) as info, GlobalBatchIterator(bad) as batches:
+        for _ in range(5):
+            next(batches)
+    index = int(re.search(r"source index (\d+)", str(info.value)).group(1))
+    assert index % 10 == 9  # the example whose label was 9

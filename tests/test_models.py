@@ -21,6 +21,7 @@ from meshkit.models import (
     ResNet18,
     ResNet34,
     ResNet50,
+    Transformer,
     ViT,
     ViTSmall,
     ViTTiny,
@@ -275,3 +276,25 @@ def test_fsdp_step_matches_the_replicated_layout(make_module):
     np.testing.assert_allclose(fsdp, replicated, rtol=1e-5)
     sharded = [leaf for leaf in jax.tree.leaves(state.params) if "data" in leaf.sharding.spec]
     assert sharded
+
+
+@pytest.mark.once
+def test_token_ids_outside_the_vocabulary_are_named_or_poison_the_output():
+    model = Transformer(vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, mlp_dim=16)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    expected = r"token id 300 at position \(0, 2\), outside the vocabulary \[0, 16\)"
+    with pytest.raises(ValueError, match=expected):
+        model.apply(variables, jnp.array([[1, 2, 300, 4]]))
+    apply = jax.jit(model.apply)  # traced ids: no host check, NaN instead of another row
+    assert np.isnan(np.asarray(apply(variables, jnp.array([[1, 2, -5, 4]])))).any()
+    assert np.isnan(np.asarray(apply(variables, jnp.array([[1, 2, 16, 4]])))).any()
+    assert np.isfinite(np.asarray(apply(variables, jnp.array([[1, 2, 15, 0]])))).all()
+
+
+@pytest.mark.once
+def test_a_label_that_is_no_class_gives_a_nan_loss_not_the_last_class():
+    from meshkit.train._step import _cross_entropy
+
+    logits = jnp.array([[0.0, 1.0, 2.0]] * 4)
+    losses = np.asarray(_cross_entropy(logits, jnp.array([0, 2, -1, 3])))
+    assert np.isfinite(losses[:2]).all() and np.isnan(losses[2:]).all()

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
+from meshkit.data._labels import check_labels
 from meshkit.data._source import Record, Source, source_fingerprint, stack_records
 
 Transform = Callable[[Record, np.random.Generator], Record]
@@ -296,7 +297,12 @@ class TrainPipeline(_Pipeline):
     def example(self, position: int) -> Record:
         self._check_source_length()
         record, rng = self._read(position)
-        return record if self.transform is None else self.transform(record, rng)  # pyright: ignore[reportArgumentType]
+        if self.transform is None:
+            return record
+        out = self.transform(record, rng)  # pyright: ignore[reportArgumentType]
+        if "label" in out:
+            self._check_transformed_labels(out["label"], [position])
+        return out
 
     def local_batch(self, step: int) -> Record:
         if not self.batched:
@@ -305,7 +311,34 @@ class TrainPipeline(_Pipeline):
         size = self.shard.size
         records, rngs = zip(*(self._read(step * size + row) for row in range(size)), strict=True)
         build_batch: Callable[..., Record] = getattr(self.transform, "batch")  # noqa: B009
-        return build_batch(records, rngs)
+        batch = build_batch(records, rngs)
+        if "label" in batch:
+            self._check_transformed_labels(batch["label"], [step * size + r for r in range(size)])
+        return batch
+
+    def _check_transformed_labels(self, labels: Any, positions: list[int]) -> None:
+        """The source checks its labels; a transform may map them out of the classes.
+        ``positions`` are the examples' positions in this stream (one per label row)."""
+        array = np.asarray(labels)
+        bound = getattr(self.source, "num_classes", None)
+        if array.size and array.min() >= 0 and (bound is None or array.max() < bound):
+            return  # the usual case: one min and one max
+        check_labels(
+            array if array.ndim else array[None],
+            where=f"{type(self.source).__name__} after the transform "
+            f"{type(self.transform).__name__}",
+            num_classes=bound,
+            ignore_label=getattr(self.source, "ignore_label", None),
+            indices=np.asarray([self._source_index(position) for position in positions]),
+            item="source index",
+        )
+
+    def _source_index(self, position: int) -> int:
+        """The source index of the example at ``position`` of this stream."""
+        step, row = divmod(position, self.shard.size)
+        epoch, within = divmod(step, self.steps_per_epoch)
+        global_position = within * self.global_batch_size + self.shard.start + row
+        return int(self.epoch_order(epoch)[global_position])
 
     def _read(self, position: int) -> tuple[Record, np.random.Generator | None]:
         """The source record at ``position`` of this stream and its augmentation generator."""

@@ -35,6 +35,7 @@ from typing import Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshkit.models._remat import RematPolicy, remat_block, remat_policy, scan_blocks
 
@@ -257,6 +258,16 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"Transformer positions must be 'learned' or 'sinusoidal'; got {self.positions!r}."
             )
+        if not isinstance(tokens_BxL, jax.core.Tracer):  # concrete ids: say which is wrong
+            ids = np.asarray(tokens_BxL)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+                bad = np.argwhere((ids < 0) | (ids >= self.vocab_size))[0]
+                raise ValueError(
+                    f"Transformer got token id {int(ids[tuple(bad)])} at position "
+                    f"{tuple(int(i) for i in bad)}, outside the vocabulary [0, "
+                    f"{self.vocab_size}); check the tokenizer, or build the model with "
+                    "vocab_size covering every id."
+                )
         if tokens_BxL.ndim != 2 or tokens_BxL.shape[1] > self.max_length:
             raise ValueError(
                 f"Transformer takes token ids of shape [batch, length] with length <= "
@@ -271,7 +282,11 @@ class Transformer(nn.Module):
         embed = nn.Embed(
             self.vocab_size, self.embed_dim, embedding_init=_normal("vocab", "embed"), name="embed"
         )
-        x_BxLxD = embed(tokens_BxL)
+        x_BxLxD = embed(jnp.clip(tokens_BxL, 0, self.vocab_size - 1))
+        # An id outside the vocabulary would read another row (-5) or NaN (vocab_size
+        # and up) without a word: NaN for both, which fit stops on and names.
+        known_BxL = (tokens_BxL >= 0) & (tokens_BxL < self.vocab_size)
+        x_BxLxD = jnp.where(known_BxL[..., None], x_BxLxD, jnp.nan)
         if self.positions == "learned":
             table_LxD = self.param(
                 "position_embedding",

@@ -91,8 +91,9 @@ class Checkpointer:
     background), happen every ``save_every`` steps, and the latest ``keep`` are kept.
     Each checkpoint also holds a digest of the state (``tree_digest``) and of the data
     state, checked when it is restored: damaged files, or an edited data state, raise
-    ``CheckpointDamagedError`` instead of restoring wrong values or a wrong position. A failed background save raises ``CheckpointSaveError`` at the next
-    call to ``should_save``, ``save``, ``wait`` or ``close``.
+    ``CheckpointDamagedError`` instead of restoring wrong values or a wrong position.
+    A failed background save raises ``CheckpointSaveError`` at the next call to
+    ``should_save``, ``save``, ``wait`` or ``close``.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp

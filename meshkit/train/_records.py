@@ -99,7 +99,9 @@ class Records:
             f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
             f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
             f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
-            "learning rate, check the data for NaNs, or add gradient clipping."
+            "learning rate, check the data for NaNs, check that labels lie in [0, "
+            "classes) and token ids in [0, vocabulary) (meshkit's losses and Transformer "
+            "give NaN for any other), or add gradient clipping."
         )
 
     def _check_skipped(self, read: IntervalRead) -> None:

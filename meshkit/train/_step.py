@@ -106,9 +106,21 @@ def classification_loss(
     """
     logits, collections = apply_model(state, batch["image"], params=params, rng=rng)
     labels = batch["label"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    loss = _cross_entropy(logits, labels).mean()
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     return loss, LossOutput(collections=collections, metrics={"accuracy": accuracy})
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example softmax cross-entropy; NaN for a label outside ``[0, classes)``.
+
+    optax reads label -1 as the last class; here a label that is no class gives a NaN
+    loss, which ``fit`` stops on (naming labels among the causes) and evaluation
+    counts (``nonfinite/loss``): an on-device flag that costs no host read.
+    """
+    valid = (labels >= 0) & (labels < logits.shape[-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+    return jnp.where(valid, loss, jnp.nan)
 
 
 def classification_metrics(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
@@ -116,7 +128,7 @@ def classification_metrics(state: TrainState, batch: Batch) -> dict[str, jax.Arr
     logits, _ = apply_model(state, batch["image"])
     labels = batch["label"]
     return {
-        "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+        "loss": _cross_entropy(logits, labels),
         "accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
     }
 
