@@ -140,7 +140,7 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
                     source,
                     global_batch_size=BATCH,
                     sharding=sharding,
-                    **({"transform": transform} | kwargs),
+                    **({"transform": transform} | kwargs),  # pyright: ignore[reportArgumentType]
                 )
             ),
             1,

@@ -332,5 +332,7 @@ def test_a_transform_that_maps_labels_out_of_the_classes_names_the_example(threa
     with pytest.raises(ValueError, match=expected) as info, GlobalBatchIterator(bad) as batches:
         for _ in range(5):
             next(batches)
-    index = int(re.search(r"source index (\d+)", str(info.value)).group(1))
+    found = re.search(r"source index (\d+)", str(info.value))
+    assert found is not None
+    index = int(found.group(1))
     assert index % 10 == 9  # the example whose label was 9

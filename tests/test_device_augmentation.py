@@ -4,6 +4,7 @@ crops are exact, the draws do not depend on the sharding, and the host side only
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from meshkit.data.image._device import _AUGMENT_STREAM
 
 pytestmark = pytest.mark.once  # sharded and unsharded runs are compared in one test
 
-UNIT = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}  # output = pixels / 255
+UNIT: dict[str, Any] = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}  # output = pixels / 255
 
 
 def ramp(height: int, width: int, batch: int) -> np.ndarray:

@@ -258,16 +258,18 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"Transformer positions must be 'learned' or 'sinusoidal'; got {self.positions!r}."
             )
-        if not isinstance(tokens_BxL, jax.core.Tracer):  # concrete ids: say which is wrong
+        try:  # concrete ids (outside a jit): say which one is wrong
             ids = np.asarray(tokens_BxL)
-            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-                bad = np.argwhere((ids < 0) | (ids >= self.vocab_size))[0]
-                raise ValueError(
-                    f"Transformer got token id {int(ids[tuple(bad)])} at position "
-                    f"{tuple(int(i) for i in bad)}, outside the vocabulary [0, "
-                    f"{self.vocab_size}); check the tokenizer, or build the model with "
-                    "vocab_size covering every id."
-                )
+        except jax.errors.TracerArrayConversionError:
+            ids = None  # traced: out-of-vocabulary ids give NaN in __call__
+        if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = np.argwhere((ids < 0) | (ids >= self.vocab_size))[0]
+            raise ValueError(
+                f"Transformer got token id {int(ids[tuple(bad)])} at position "
+                f"{tuple(int(i) for i in bad)}, outside the vocabulary [0, "
+                f"{self.vocab_size}); check the tokenizer, or build the model with "
+                "vocab_size covering every id."
+            )
         if tokens_BxL.ndim != 2 or tokens_BxL.shape[1] > self.max_length:
             raise ValueError(
                 f"Transformer takes token ids of shape [batch, length] with length <= "

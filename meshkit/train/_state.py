@@ -421,7 +421,7 @@ def warn_unused_axes(shardings: Any, mesh: Mesh, rules: PartitionRules | None) -
     """Warns once for each mesh axis (size > 1) that no leaf of ``shardings`` uses, that
     ``rules``' logical table does not name and that does not usually carry the batch:
     every device along it would repeat the same work."""
-    used = set(_BATCH_AXES)
+    used: set[str] = set(_BATCH_AXES)
     for sharding in jax.tree.leaves(shardings):
         for entry in getattr(sharding, "spec", ()):
             used.update((entry,) if isinstance(entry, str) else entry or ())
