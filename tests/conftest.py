@@ -7,6 +7,7 @@ and at 8. Tests that need more devices than exist skip.
 from __future__ import annotations
 
 import os
+import signal
 
 import jax
 import pytest
@@ -17,6 +18,13 @@ DEVICES = int(os.environ.get("MESHKIT_TEST_DEVICES", "8"))
 
 jax.config.update("jax_platforms", "cpu")
 set_cpu_devices(DEVICES)
+
+# Started with SIGINT ignored (`nohup ... &`, a background job of a non-interactive
+# shell), Python installs no KeyboardInterrupt handler and child processes inherit the
+# ignoring. The Ctrl-C tests need the interactive disposition: set it for the suite,
+# and so for the processes it starts (a caught signal is reset to the default on exec).
+if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
