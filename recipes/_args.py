@@ -75,7 +75,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         default=1,
         help="accumulate gradients over this many micro-batches of each batch",
     )
@@ -110,6 +110,17 @@ def learning_rate_schedule(args: argparse.Namespace) -> Any:
     constant = optax.constant_schedule(args.learning_rate)
     warmup = optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps)
     return optax.join_schedules([warmup, constant], [args.warmup_steps])
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (``--steps``, ``--microbatches``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _step_range(text: str) -> tuple[int, int]:

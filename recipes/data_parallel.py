@@ -43,6 +43,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    positive_int,
     recipe_parser,
     run_summary,
     write_summary,
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
     parser.add_argument("--rules", choices=["replicated", "fsdp"], default="replicated")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--learning-rate", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)

@@ -46,6 +46,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    positive_int,
     recipe_parser,
     run_summary,
     write_summary,
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: each member visits the data in its own order)",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)

@@ -39,7 +39,7 @@ import argparse
 import sys
 
 import meshkit
-from recipes._args import recipe_parser, write_summary
+from recipes._args import positive_int, recipe_parser, write_summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="successive halving at a third and two thirds of the "
         "steps; stopped slots restart with new points from the space",
     )
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=positive_int, default=150)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32")

@@ -41,6 +41,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    positive_int,
     recipe_parser,
     run_summary,
     write_summary,
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=128, help="context length in bytes")
     parser.add_argument("--dropout-rate", type=float, default=0.0)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=positive_int, default=1200)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)

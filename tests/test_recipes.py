@@ -96,3 +96,20 @@ def test_data_parallel_reads_real_file_formats(dataset, model, write, tmp_path):
     summary = json.loads(stdout.strip().splitlines()[-1])
     test_examples = 40 if dataset == "mnist" else 48
     assert summary["steps"] == 3 and summary["test_examples"] == test_examples
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    "recipe", ["data_parallel", "ensemble", "image_classification", "sweep", "transformer_lm"]
+)
+def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
+    import importlib
+
+    parse_args = importlib.import_module(f"recipes.{recipe}").parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"])
+    assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err
+    if recipe != "sweep":
+        with pytest.raises(SystemExit):
+            parse_args(["--microbatches", "0"])
+        assert "argument --microbatches: must be at least 1, got 0" in capsys.readouterr().err
