@@ -37,6 +37,31 @@ def as_path(path: PathLike) -> epath.Path:
     return result if is_remote(path) else result.absolute()
 
 
+_STORE_PACKAGES = {"gs": ("gcsfs", "gcs", "Google Cloud Storage"), "s3": ("s3fs", "s3", "S3")}
+
+
+def check_store_packages(path: PathLike, *, what: str = "workdir") -> None:
+    """Raises one clear ``ImportError`` when ``path`` is on an object store whose client
+    package is missing: before any compile, not at the first write.
+
+    Examples:
+        >>> check_store_packages("/tmp/run")  # a disk: nothing to check
+    """
+    scheme = os.fspath(path).split("://", 1)[0] if is_remote(path) else None
+    if scheme not in _STORE_PACKAGES:
+        return
+    package, extra, store = _STORE_PACKAGES[scheme]
+    try:
+        __import__(package)
+    except ImportError:
+        raise ImportError(
+            f"The {what} {os.fspath(path)} is on {store}: meshkit writes its records and "
+            f"config there through etils.epath, which needs the {package} package "
+            f'(pip install "meshkit[{extra}]", or pip install {package}); Orbax writes the '
+            "checkpoints through TensorStore, which needs nothing more."
+        ) from None
+
+
 def write_text_atomically(path: epath.Path, text: str) -> None:
     """Writes ``text`` to ``path`` through a temporary sibling and a rename.
 

@@ -231,3 +231,19 @@ def test_fit_refuses_unknown_keywords_and_an_old_keyword_beside_its_object(tmp_p
     with pytest.raises(TypeError, match=r"fit\(eval_every=...\) has no eval_pipeline="):
         train.fit(None, None, None, num_steps=1, workdir=tmp_path, eval_every=5)  # pyright: ignore[reportArgumentType]
     assert not (tmp_path / "checkpoints").exists()  # refused before any work
+
+
+def test_a_tensorboard_logdir_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "tb").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=r"TensorBoard logdir .*tb is a file"):
+        run_fit(tmp_path / "run", writers=[train.TensorBoardWriter(tmp_path / "tb")])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    with pytest.raises(ImportError) as info:
+        run_fit("gs://bucket/run")
+    message = str(info.value)
+    assert message.startswith("The workdir gs://bucket/run is on Google Cloud Storage")
+    assert 'pip install "meshkit[gcs]"' in message and "TensorStore" in message

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from meshkit._compiles import count_compiles
 from meshkit._host import to_host
 from meshkit._inflight import InFlight
-from meshkit._paths import PathLike, as_path
+from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
@@ -179,6 +179,7 @@ def fit(
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = settings.dispatch.window(mesh)
+    check_store_packages(workdir)
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = settings.checkpoints.checkpointer(workdir)

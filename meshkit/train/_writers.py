@@ -15,7 +15,13 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any, Protocol, runtime_checkable
 
-from meshkit._paths import PathLike, as_path, is_remote, write_text_atomically
+from meshkit._paths import (
+    PathLike,
+    as_path,
+    check_store_packages,
+    is_remote,
+    write_text_atomically,
+)
 
 
 @runtime_checkable
@@ -147,7 +153,15 @@ class TensorBoardWriter:
         self._writer: Any = None
 
     def start(self, step: int) -> None:
+        """Checks, before training starts, what the first record would need."""
         self._start = step
+        _optional_package("tensorboardX", "TensorBoardWriter", "tensorboard")
+        check_store_packages(self.logdir, what="TensorBoard logdir")
+        if not is_remote(self.logdir) and self.logdir.exists() and not self.logdir.is_dir():
+            raise NotADirectoryError(
+                f"The TensorBoard logdir {self.logdir} is a file; TensorBoard writes event "
+                "files into a folder. Pass a folder's path, or move that file away."
+            )
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         if self._writer is None:
