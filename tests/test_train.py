@@ -202,6 +202,27 @@ def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.once
+def test_resuming_with_another_precision_says_so_in_one_line(tmp_path):
+    fit(meshkit.make_mesh("data=-1"), tmp_path, 10)
+    mesh = meshkit.make_mesh("data=-1")
+    _, step, pipeline = setup(mesh)
+    model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh, precision="f16")
+    with pytest.raises(ValueError) as info:
+        train.fit(
+            state, step, pipeline, num_steps=20, workdir=tmp_path,
+            checkpoints=train.Checkpoints(every=10), logging=train.Logging(progress=False),
+        )  # fmt: skip
+    assert str(info.value) == (
+        f"The checkpoint at step 10 in {tmp_path / 'checkpoints'} holds the same model with "
+        "another precision: this state has a float16 loss scale (precision='f16') and the "
+        "checkpoint has none. Resume with the precision it was saved with (f32 or bf16), "
+        "or start in a new workdir."
+    )
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
 def test_fit_refuses_a_batch_level_eval_value(tmp_path):
     with pytest.raises(ValueError, match=r"returned 'm' with shape \(\), but per-example"):
         fit(

@@ -297,6 +297,21 @@ class Checkpointer:
     def _raise_if_another_model(self, step: int, target: Any, error: BaseException) -> None:
         """Raises ``ValueError`` naming the leaves that differ if ``target`` is another model."""
         mismatches = self._mismatches(step, target)
+        if mismatches and all(line.startswith("loss_scale") for line in mismatches):
+            saved_f16 = any(" now nothing" in line for line in mismatches)
+            raise ValueError(
+                f"The checkpoint at step {step} in {self.directory} holds the same model "
+                "with another precision: "
+                + (
+                    "it was saved with a float16 loss scale (precision='f16') and this "
+                    "state has none. Resume with precision='f16' (--precision f16)"
+                    if saved_f16
+                    else "this state has a float16 loss scale (precision='f16') and the "
+                    "checkpoint has none. Resume with the precision it was saved with "
+                    "(f32 or bf16)"
+                )
+                + ", or start in a new workdir."
+            ) from None
         if mismatches:
             raise ValueError(
                 f"The checkpoint at step {step} in {self.directory} holds a different model: "
