@@ -122,7 +122,7 @@ def test_micro_batches_carry_batch_statistics_from_one_to_the_next():
     assert all(np.isfinite(m["loss"]) for m in history)
 
 
-def test_a_batch_that_does_not_split_evenly_is_refused_with_the_sizes():
+def test_a_batch_that_does_not_split_evenly_is_refused_with_the_sizes(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     state, step, pipeline = build(mesh, microbatches=3)
     with data.GlobalBatchIterator(pipeline) as batches, pytest.raises(ValueError) as error:
@@ -130,6 +130,10 @@ def test_a_batch_that_does_not_split_evenly_is_refused_with_the_sizes():
     message = str(error.value)
     assert "64 rows" in message and "microbatches=3" in message
     assert f"multiple of 3 × {jax.device_count()}" in message
+    with meshkit.count_compiles() as log, pytest.raises(ValueError) as refused:
+        train.fit(state, step, pipeline, num_steps=5, workdir=str(tmp_path))  # checks first
+    assert str(refused.value).startswith("The pipeline's global batch has 64 rows, which do")
+    assert log.count("train_step") == 0
 
 
 def test_bf16_computes_in_bf16_keeps_float32_state_and_learns_like_float32():

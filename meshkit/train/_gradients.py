@@ -123,17 +123,25 @@ def _gradients(
 
 def _rows_in_shards(batch: Batch, microbatches: int, sharding: NamedSharding | None) -> None:
     """Trace-time check: the batch splits into equal micro-batches spread over every shard."""
-    shards = 1 if sharding is None else leading_dim_shards(sharding)
     for key, value in batch.items():
         rows = value.shape[0] if value.shape else 0
-        if rows % (microbatches * shards):
-            raise ValueError(
-                f"Batch field {key!r} has {rows} rows, which do not split into "
-                f"microbatches={microbatches} micro-batches of equal size spread over the "
-                f"{shards} devices the batch is split over: the global batch size must be a "
-                f"multiple of {microbatches} × {shards} = {microbatches * shards}. Change "
-                "the batch size or the number of micro-batches."
-            )
+        check_microbatch_rows(rows, microbatches, sharding, what=f"Batch field {key!r} has")
+
+
+def check_microbatch_rows(
+    rows: int, microbatches: int, sharding: NamedSharding | None, *, what: str
+) -> None:
+    """Raises unless ``rows`` split into ``microbatches`` equal micro-batches spread over
+    every shard of ``sharding``'s leading dimension (``fit`` checks before compiling)."""
+    shards = 1 if sharding is None else leading_dim_shards(sharding)
+    if rows % (microbatches * shards):
+        raise ValueError(
+            f"{what} {rows} rows, which do not split into "
+            f"microbatches={microbatches} micro-batches of equal size spread over the "
+            f"{shards} devices the batch is split over: the global batch size must be a "
+            f"multiple of {microbatches} × {shards} = {microbatches * shards}. Change "
+            "the batch size or the number of micro-batches."
+        )
 
 
 def _split_batch(batch: Batch, microbatches: int, sharding: NamedSharding | None) -> Batch:

@@ -21,6 +21,7 @@ from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
+from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval, MetricSums
 from meshkit.train._preemption import PreemptionWatcher
@@ -176,6 +177,14 @@ def fit(
     )
     del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
     _check_steps(num_steps, pipeline)
+    microbatches = getattr(train_step, "microbatches", 1)  # make_train_step's, when known
+    if microbatches > 1:
+        check_microbatch_rows(
+            pipeline.global_batch_size,
+            microbatches,
+            pipeline.sharding,
+            what="The pipeline's global batch has",
+        )
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = settings.dispatch.window(mesh)

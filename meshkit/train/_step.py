@@ -213,9 +213,12 @@ def make_train_step(
         (1, ['accuracy', 'grad_norm', 'loss'])
     """
     replicated = replicated_sharding(batch_sharding.mesh)
-    return jax.jit(
+    step = jax.jit(
         train_step_fn(loss_fn, microbatches=microbatches, batch_sharding=batch_sharding),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+    # fit reads it to check the batch size before anything compiles
+    step.microbatches = microbatches  # pyright: ignore[reportFunctionMemberAccess]
+    return step
