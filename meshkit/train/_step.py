@@ -220,5 +220,5 @@ def make_train_step(
         donate_argnums=0,
     )
     # fit reads it to check the batch size before anything compiles
-    step.microbatches = microbatches  # pyright: ignore[reportFunctionMemberAccess]
+    step.microbatches = microbatches  # pyright: ignore[reportAttributeAccessIssue]
     return step
