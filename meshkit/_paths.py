@@ -51,8 +51,10 @@ def check_store_packages(path: PathLike, *, what: str = "workdir") -> None:
     if scheme not in _STORE_PACKAGES:
         return
     package, extra, store = _STORE_PACKAGES[scheme]
-    try:
-        __import__(package)
+    try:  # what epath uses: fsspec's filesystem for the scheme (a registered one counts)
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
     except ImportError:
         raise ImportError(
             f"The {what} {os.fspath(path)} is on {store}: meshkit writes its records and "

@@ -241,7 +241,12 @@ def test_a_tensorboard_logdir_that_is_a_file_is_refused_before_training(tmp_path
 
 
 def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatch):
+    import importlib
+
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    registry = importlib.import_module("fsspec.registry")._registry  # the writable one
+    for scheme in ("gs", "gcs"):  # nor registered in this process (another test may have)
+        monkeypatch.delitem(registry, scheme, raising=False)
     with pytest.raises(ImportError) as info:
         run_fit("gs://bucket/run")
     message = str(info.value)
