@@ -30,6 +30,7 @@ from meshkit.data import (
     write_image_folder,
     write_image_records,
 )
+from meshkit.data import image as image_ops
 from meshkit.data._formats._array_record import sidecar_path
 from meshkit.data.convert import main
 
@@ -258,6 +259,23 @@ def test_image_folder_reencodes_only_when_asked_and_names_a_bad_file(tmp_path):
     with pytest.raises(ValueError, match=r"moth/fake\.jpg is not a JPEG or PNG file"):
         write_image_folder(tmp_path / "folder", tmp_path / "k")
     assert not list(tmp_path.glob("k*"))
+
+
+def test_a_cut_short_image_is_named_at_conversion_unless_told_not_to_verify(tmp_path, capsys):
+    write_folder(tmp_path / "folder")
+    good = tmp_path / "folder" / "ant" / "img0.png"
+    cut = tmp_path / "folder" / "ant" / "img9.jpg"
+    jpeg = image_ops.encode(np.full((32, 32, 3), 200, np.uint8), format="jpeg")
+    cut.write_bytes(jpeg[: len(jpeg) // 2])  # right magic bytes, half the data
+    with pytest.raises(ValueError, match=r"ant/img9\.jpg could not be decoded .*--no-verify"):
+        write_image_folder(tmp_path / "folder", tmp_path / "v")
+    out = tmp_path / "w.array_record"
+    argv = ["images", "--from-folder", str(tmp_path / "folder"), "--out", str(out)]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "img9.jpg could not be decoded" in capsys.readouterr().err
+    assert main([*argv, "--no-verify"]) == 0 and len(image_records(out)) == 7
+    assert good.exists()
 
 
 def test_a_test_folder_missing_a_class_keeps_the_training_indices(tmp_path, capsys):

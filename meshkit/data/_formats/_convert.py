@@ -195,6 +195,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     images.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding")
     images.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="store the files without decoding each once (default: decode, so a damaged "
+        "file is named now, not in training)",
+    )
+    images.add_argument(
         "--class-names-from",
         type=Path,
         metavar="RECORDS",
@@ -235,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reencode=args.reencode,
                 quality=args.quality,
                 class_names=class_names,
+                verify=args.verify,
             )
         else:
             paths = convert(

@@ -67,6 +67,21 @@ def _reencode(data: bytes, file: Path, format: ImageFormat, quality: int) -> byt
     return image_ops.encode(pixels, format=format, quality=quality)
 
 
+def _verified(data: bytes, file: Path) -> bytes:
+    """``data`` after decoding it once: a damaged or cut-short image fails here, naming
+    ``file``, instead of in training, naming neither the record nor the file."""
+    from meshkit.data import image as image_ops
+
+    try:
+        image_ops.decode(data, channels=None)
+    except ValueError as error:
+        raise ValueError(
+            f"{file} could not be decoded ({error}); replace or remove it and run the "
+            "conversion again (--no-verify stores files without decoding them)."
+        ) from None
+    return data
+
+
 def write_image_folder(
     root: str | Path,
     path: str | Path,
@@ -75,6 +90,7 @@ def write_image_folder(
     reencode: ImageFormat | None = None,
     quality: int = 90,
     class_names: Sequence[str] | None = None,
+    verify: bool = True,
 ) -> list[Path]:
     """Converts an image folder (``root/<class name>/*.jpg|*.jpeg|*.png``) to image records.
 
@@ -97,6 +113,8 @@ def write_image_folder(
             (a test split converted after the training split, whose folder may lack a
             class): ``image_records(train_path).class_names``. Every class folder must
             be among them. By default the sorted class folders.
+        verify: Decode every image once, so that a damaged or cut-short file is named
+            now rather than failing a training run later (re-encoding decodes anyway).
 
     Returns:
         The shard paths.
@@ -104,7 +122,8 @@ def write_image_folder(
     Raises:
         FileNotFoundError: ``root`` is not a folder.
         ValueError: No class folders or no images, or a file named ``.jpg`` / ``.png``
-            is not a JPEG or PNG file (the message names it).
+            is not a JPEG or PNG file, or (with ``verify``) does not decode; the message
+            names it.
     """
     root = Path(root)
     classes, files, skipped = _scan_folder(root, class_names)
@@ -118,7 +137,10 @@ def write_image_folder(
                     f"{file} is not a JPEG or PNG file (it starts {data[:8]!r}); remove it "
                     "or convert it, then run the conversion again."
                 )
-            yield (data if reencode is None else _reencode(data, file, reencode, quality)), label
+            if reencode is not None:
+                yield _reencode(data, file, reencode, quality), label
+            else:
+                yield (_verified(data, file) if verify else data), label
 
     return _write_image_dataset(
         path,
