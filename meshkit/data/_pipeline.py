@@ -333,19 +333,22 @@ class TrainPipeline(_Pipeline):
             item="source index",
         )
 
-    def _source_index(self, position: int) -> int:
-        """The source index of the example at ``position`` of this stream."""
+    def _locate(self, position: int) -> tuple[int, int, int]:
+        """``(epoch, global position, source index)`` of the example at ``position`` of
+        this stream."""
         step, row = divmod(position, self.shard.size)
         epoch, within = divmod(step, self.steps_per_epoch)
         global_position = within * self.global_batch_size + self.shard.start + row
-        return int(self.epoch_order(epoch)[global_position])
+        return epoch, global_position, int(self.epoch_order(epoch)[global_position])
+
+    def _source_index(self, position: int) -> int:
+        """The source index of the example at ``position`` of this stream."""
+        return self._locate(position)[2]
 
     def _read(self, position: int) -> tuple[Record, np.random.Generator | None]:
         """The source record at ``position`` of this stream and its augmentation generator."""
-        step, row = divmod(position, self.shard.size)
-        epoch, within = divmod(step, self.steps_per_epoch)
-        global_position = within * self.global_batch_size + self.shard.start + row
-        record = self.source[int(self.epoch_order(epoch)[global_position])]
+        epoch, global_position, index = self._locate(position)
+        record = self.source[index]
         if self.transform is None:
             return record, None
         return record, np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])

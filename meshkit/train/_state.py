@@ -27,6 +27,7 @@ from meshkit._logical import (
 from meshkit._mesh import DATA_AXIS
 from meshkit._pytree import path_str
 from meshkit._rules import PartitionRules, infer_shardings, logger
+from meshkit._specs import spec_axis_names
 from meshkit.train._precision import LossScale, Precision
 
 Variables = dict[str, Any]
@@ -423,8 +424,7 @@ def warn_unused_axes(shardings: Any, mesh: Mesh, rules: PartitionRules | None) -
     every device along it would repeat the same work."""
     used: set[str] = set(_BATCH_AXES)
     for sharding in jax.tree.leaves(shardings):
-        for entry in getattr(sharding, "spec", ()):
-            used.update((entry,) if isinstance(entry, str) else entry or ())
+        used.update(spec_axis_names(getattr(sharding, "spec", ())))
     if rules is not None and rules.logical is not None:
         used.update(table_axis_names(rules.logical))
     shape = tuple(mesh.shape.items())

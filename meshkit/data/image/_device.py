@@ -31,12 +31,12 @@ from meshkit.data.image._ops import (
     MODES,
     Size,
     as_hw,
+    centred_box_size,
     channel_stats,
-    check_range,
     decode,
     resize,
 )
-from meshkit.data.image._transforms import _floats, _image_array
+from meshkit.data.image._transforms import _augmentation, _image_array, _label
 
 _ATTEMPTS = 10  # random_crop_box's attempts before its centre-crop fallback
 
@@ -56,10 +56,7 @@ class DecodeTransform:
             array = decode(value, channels=self.channels)
         if self.size is not None and array.shape[:2] != self.size:
             array = resize(array, self.size)
-        rest = {key: value for key, value in record.items() if key != "image"}
-        if "label" in rest:
-            rest["label"] = np.asarray(rest["label"], np.int32)
-        return {**rest, "image": array}
+        return {**record, "image": array, **_label(record)}
 
     def batch(self, records: Sequence[Mapping[str, Any]], rngs: Sequence[Any]) -> Record:
         """Every record decoded, stacked into one uint8 batch."""
@@ -144,7 +141,7 @@ class DeviceAugmentation:
         first = jnp.argmax(fits, axis=1)
         found = jnp.any(fits, axis=1)
         rows = jnp.arange(batch)
-        fallback_h, fallback_w = _centre_box(height, width, self.ratio)
+        fallback_h, fallback_w = centred_box_size(height, width, self.ratio)
         h = jnp.where(found, h[rows, first], fallback_h)
         w = jnp.where(found, w[rows, first], fallback_w)
         top = jnp.where(
@@ -208,16 +205,6 @@ class DeviceAugmentation:
 _AUGMENT_STREAM = 0x617567  # "aug": the step key's stream for augmentation
 
 
-def _centre_box(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int]:
-    """``random_crop_box``'s fallback: the whole image, its aspect clamped to ``ratio``."""
-    aspect = width / height
-    if aspect < ratio[0]:
-        return max(1, round(width / ratio[0])), width
-    if aspect > ratio[1]:
-        return height, max(1, round(height * ratio[1]))
-    return height, width
-
-
 def device_augmentation(
     size: Size,
     *,
@@ -245,19 +232,9 @@ def device_augmentation(
         >>> out.shape, out.dtype
         ((4, 24, 24, 3), dtype('float32'))
     """
-    mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
-    if min(std_t) <= 0:
-        raise ValueError(f"std must be positive, got {std!r}.")
-    if padding is not None and (isinstance(padding, bool) or padding < 0):
-        raise ValueError(f"padding must be None or an int >= 0, got {padding!r}.")
-    if not 0 <= flip <= 1:
-        raise ValueError(f"flip must be a probability in [0, 1], got {flip!r}.")
-    return DeviceAugmentation(
-        size=as_hw(size),
-        mean=mean_t,
-        std=std_t,
-        scale=check_range(scale, name="scale"),
-        ratio=check_range(ratio, name="ratio"),
-        padding=None if padding is None else int(padding),
-        flip=float(flip),
+    fields = _augmentation(
+        size, mean=mean, std=std, scale=scale, ratio=ratio, padding=padding, flip=flip
     )
+    if min(fields["std"]) <= 0:
+        raise ValueError(f"std must be positive, got {std!r}.")
+    return DeviceAugmentation(**fields)

@@ -284,14 +284,23 @@ def random_crop_box(
             top = int(rng.integers(0, height - h + 1))
             left = int(rng.integers(0, width - w + 1))
             return top, left, h, w
-    aspect = width / height
-    min_ratio, max_ratio = math.exp(log_ratio[0]), math.exp(log_ratio[1])
-    h, w = height, width
-    if aspect < min_ratio:
-        h = max(1, round(width / min_ratio))
-    elif aspect > max_ratio:
-        w = max(1, round(height * max_ratio))
+    h, w = centred_box_size(height, width, (math.exp(log_ratio[0]), math.exp(log_ratio[1])))
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+def centred_box_size(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int]:
+    """``random_crop_box``'s fallback size: the whole image, its aspect clamped to ``ratio``.
+
+    Examples:
+        >>> centred_box_size(100, 400, (3 / 4, 4 / 3))
+        (100, 133)
+    """
+    aspect = width / height
+    if aspect < ratio[0]:
+        return max(1, round(width / ratio[0])), width
+    if aspect > ratio[1]:
+        return height, max(1, round(height * ratio[1]))
+    return height, width
 
 
 @functools.lru_cache(maxsize=8)
@@ -455,13 +464,7 @@ def normalize(image: np.ndarray, mean: Any, std: Any) -> np.ndarray:
         >>> normalize(np.full((1, 1, 3), 255, np.uint8), (0.5,) * 3, (0.5,) * 3).tolist()
         [[[1.0, 1.0, 1.0]]]
     """
-    array = check_image(image)
-    mean32, std32 = channel_stats(mean, std, array.shape[2])
-    unit = 1 / 255 if array.dtype == np.uint8 else 1.0
-    out = array.astype(np.float32)
-    out *= (unit / std32).astype(np.float32)
-    out -= (mean32 / std32).astype(np.float32)
-    return out
+    return _normalized(check_image(image), mean, std)
 
 
 def normalize_batch(images: np.ndarray, mean: Any, std: Any) -> np.ndarray:
@@ -479,7 +482,14 @@ def normalize_batch(images: np.ndarray, mean: Any, std: Any) -> np.ndarray:
         raise ValueError(
             f"images must be a (batch, height, width, channels) array, got shape {array.shape}."
         )
-    mean32, std32 = channel_stats(mean, std, array.shape[3])
+    return _normalized(array, mean, std)
+
+
+def _normalized(array: np.ndarray, mean: Any, std: Any) -> np.ndarray:
+    """float32 ``(array / 255 - mean) / std`` over the last (channel) axis (no /255 for
+    floats), as ``array * (unit / std) - mean / std`` in float32: ``normalize``'s and
+    ``normalize_batch``'s one arithmetic."""
+    mean32, std32 = channel_stats(mean, std, array.shape[-1])
     unit = 1 / 255 if array.dtype == np.uint8 else 1.0
     out = array.astype(np.float32)
     out *= (unit / std32).astype(np.float32)

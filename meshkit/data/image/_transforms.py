@@ -190,22 +190,38 @@ def train_transform(
     """
     mean_t, std_t = _floats(mean, name="mean"), _floats(std, name="std")
     _check_channels(channels, mean_t, std_t)
+    fields = _augmentation(
+        size, mean=mean_t, std=std_t, scale=scale, ratio=ratio, padding=padding, flip=flip
+    )
+    check_resample(resample)
+    return TrainTransform(**fields, resample=resample, channels=channels)
+
+
+def _augmentation(
+    size: Size,
+    *,
+    mean: Any,
+    std: Any,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    padding: int | None,
+    flip: float,
+) -> dict[str, Any]:
+    """The checked fields a training augmentation shares, on the host
+    (``train_transform``) or on the device (``device_augmentation``)."""
     if padding is not None and (isinstance(padding, bool) or padding < 0):
         raise ValueError(f"padding must be None or an int >= 0, got {padding!r}.")
     if not 0 <= flip <= 1:
         raise ValueError(f"flip must be a probability in [0, 1], got {flip!r}.")
-    check_resample(resample)
-    return TrainTransform(
-        size=as_hw(size),
-        mean=mean_t,
-        std=std_t,
-        scale=check_range(scale, name="scale"),
-        ratio=check_range(ratio, name="ratio"),
-        padding=None if padding is None else int(padding),
-        flip=float(flip),
-        resample=resample,
-        channels=channels,
-    )
+    return {
+        "size": as_hw(size),
+        "mean": _floats(mean, name="mean"),
+        "std": _floats(std, name="std"),
+        "scale": check_range(scale, name="scale"),
+        "ratio": check_range(ratio, name="ratio"),
+        "padding": None if padding is None else int(padding),
+        "flip": float(flip),
+    }
 
 
 def eval_transform(
