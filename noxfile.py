@@ -1,4 +1,4 @@
-"""Project tasks: ``nox -s tests lint typecheck docs bench``."""
+"""Project tasks: ``nox -s tests lint typecheck docs bench``; ``nox -s slurm`` alone."""
 
 from __future__ import annotations
 
@@ -22,25 +22,33 @@ WORKERS = str(min(os.cpu_count() or 1, 4))
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The tests at 1 and at 8 fake CPU devices (docstring examples at 8), then the
-    multi-process tests and those that start a recipe of their own."""
+    multi-process tests and those that start a recipe of their own, then the SLURM
+    tests (see ``slurm``)."""
     session.install("-e", ".[test]")
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     parallel = ["-n", WORKERS, "--dist", "loadfile"]
+    single = "not multiprocess and not slurm"
     session.run(
-        "pytest",
-        "tests",
-        "-m",
-        "not multiprocess",
-        *parallel,
-        *args,
-        env={"MESHKIT_TEST_DEVICES": "1"},
+        "pytest", "tests", "-m", single, *parallel, *args, env={"MESHKIT_TEST_DEVICES": "1"}
     )
-    session.run(
-        "pytest", "-m", "not multiprocess", *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8"}
-    )
+    session.run("pytest", "-m", single, *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8"})
     # One at a time: each starts JAX processes of its own, and the signal and timing
     # tests among them need the cores they were written for.
     session.run("pytest", "tests", "-m", "multiprocess", *args)
+    _slurm_tests(session, args)
+
+
+def _slurm_tests(session: nox.Session, args: list[str]) -> None:
+    session.run("pytest", "tests/test_slurm.py", "-m", "slurm", "-rs", *args)
+
+
+@nox.session(python=PYTHON)
+def slurm(session: nox.Session) -> None:
+    """The docs' SLURM scripts, preemption, requeue and failures on a one-node SLURM
+    cluster the tests start (as root, installing slurm-wlm and munge with apt-get when
+    missing; they skip, saying why, where they cannot). ``nox -s tests`` runs them last."""
+    session.install("-e", ".[test]")
+    _slurm_tests(session, ["--durations=10", *session.posargs])
 
 
 @nox.session(python=PYTHON)

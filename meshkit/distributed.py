@@ -34,6 +34,7 @@ from typing import Literal
 
 import jax
 
+from meshkit import _peer_failure, _preemption_signals
 from meshkit._checks import check_int
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
 ENV_COORDINATOR = "MESHKIT_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_HEARTBEAT_TIMEOUT = "MESHKIT_HEARTBEAT_TIMEOUT"
 ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize
 
 LOCAL_HEARTBEAT_TIMEOUT = 10
@@ -218,6 +220,27 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def _one_line(kind: type[BaseException], value: BaseException) -> str:
+    text = " ".join(str(value).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{kind.__name__}: {text}" if text else kind.__name__
+
+
+def _process_id(given: int | None) -> int:
+    if given is not None:
+        return given
+    from jax._src import distributed
+
+    return int(distributed.global_state.process_id)
+
+
+def _num_processes() -> int | None:
+    from jax._src import distributed
+
+    return distributed.global_state.num_processes
+
+
 def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     """Makes an uncaught exception end this process at once, with its own exit code.
 
@@ -245,6 +268,9 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
         >>> exit_on_uncaught_exception(process_id=1)  # doctest: +SKIP
     """
     previous = sys.excepthook
+    peers = jax.distributed.is_initialized()
+    if peers:
+        process_id = _process_id(process_id)
     name = "This process" if process_id is None else f"Process {process_id}"
 
     def hook(
@@ -252,11 +278,22 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     ) -> None:
         code = INTERRUPTED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
         try:
+            first = None
+            if peers:  # tell the others first; they stop, then this error is printed last
+                first = _peer_failure.announce(
+                    _process_id(process_id), code, _one_line(kind, value), _num_processes()
+                )
+            if first is not None:
+                print(
+                    f"[meshkit] {name} failed too, with {_one_line(kind, value)} "
+                    f"(the first failure: {first}); exiting with code {code}.",
+                    file=sys.stderr,
+                )
+                return
             previous(kind, value, traceback)
             print(
-                f"[meshkit] {name} failed with {kind.__name__}; exiting with code {code} now "
-                "rather than waiting in jax.distributed's shutdown for the other processes, "
-                "which would wait for this one.",
+                f"[meshkit] {name} failed with {_one_line(kind, value)}; exiting with code "
+                f"{code}{'; the other processes stop too' if peers else ''}.",
                 file=sys.stderr,
             )
         finally:
@@ -264,6 +301,8 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
                 with contextlib.suppress(OSError, ValueError, AttributeError):
                     stream.flush()  # a closed or missing stream: nothing more can be said
             logging.shutdown()
+            if peers:
+                _peer_failure.reported()
             os._exit(code)
 
     sys.excepthook = hook
@@ -279,6 +318,7 @@ def initialize(
     initialization_timeout: int = 300,
     heartbeat_timeout: int | None = None,
     fail_fast: bool = True,
+    preemption_signals: Sequence[str] | None = None,
 ) -> Launch:
     """Initialises a distributed run however it was launched; call it before any JAX use.
 
@@ -291,12 +331,17 @@ def initialize(
         rehearsing a multi-device run on CPU.
       initialization_timeout: seconds to wait for all processes to connect.
       heartbeat_timeout: seconds without heartbeats after which a process is declared
-        dead and every other process stops. By default 10 s when the coordinator
-        address is a loopback one (every process is on this machine), otherwise JAX's
-        100 s.
+        dead and every other process stops. By default ``MESHKIT_HEARTBEAT_TIMEOUT``,
+        else 10 s when the coordinator address is a loopback one (every process is on
+        this machine), otherwise JAX's 100 s.
       fail_fast: with several processes, end a process at once on an uncaught
         exception (``exit_on_uncaught_exception``) instead of letting it wait for the
-        others in ``jax.distributed``'s shutdown.
+        others in ``jax.distributed``'s shutdown, and tell the other processes, which
+        stop within a second with one line naming it.
+      preemption_signals: signals that mean "save a checkpoint and stop", like SIGTERM
+        and Ctrl-C (``["USR1"]``; ``[]`` for none). By default
+        ``MESHKIT_PREEMPTION_SIGNALS`` (comma-separated), else SIGUSR1 inside a SLURM
+        job (the signal of ``#SBATCH --signal=USR1@120``) and none elsewhere.
 
     Returns:
       The detected ``Launch``.
@@ -324,10 +369,20 @@ def initialize(
     if cpu_devices is not None:
         check_int(cpu_devices, name="cpu_devices", minimum=1)
         jax.config.update("jax_num_cpu_devices", launcher_cpu_devices(cpu_devices))
+    environ = os.environ
+    if preemption_signals is not None:
+        environ = {
+            **os.environ,
+            _preemption_signals.ENV_PREEMPTION_SIGNALS: ",".join(preemption_signals),
+        }
+    _preemption_signals.watch(_preemption_signals.preemption_signals(environ))
     if launch.mode == "single":
         return launch
     address = launch.coordinator_address
     local = address is not None and is_loopback(address)
+    if heartbeat_timeout is None and os.environ.get(ENV_HEARTBEAT_TIMEOUT):
+        heartbeat_timeout = _int_env(os.environ, ENV_HEARTBEAT_TIMEOUT)
+        check_int(heartbeat_timeout, name=ENV_HEARTBEAT_TIMEOUT, minimum=1, unit="s")
     if heartbeat_timeout is None:
         heartbeat_timeout = LOCAL_HEARTBEAT_TIMEOUT if local else JAX_HEARTBEAT_TIMEOUT
     jax.distributed.initialize(
@@ -339,6 +394,8 @@ def initialize(
         heartbeat_timeout_seconds=heartbeat_timeout,
         coordinator_bind_address=address if local and ENV_BIND_ADDRESS not in os.environ else None,
     )
+    _preemption_signals.forward_to_jax()
     if fail_fast and (launch.num_processes is None or launch.num_processes > 1):
         exit_on_uncaught_exception(launch.process_id)
+        _peer_failure.watch_peers(_process_id(launch.process_id))
     return launch

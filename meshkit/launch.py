@@ -236,11 +236,6 @@ class LocalProcesses:
                 if failed:
                     first_failure = failed[0]
                     stop_at = time.monotonic() + grace
-                    if any(code is None for code in codes):
-                        self._note(
-                            f"process {failed[0][0]} exited with code {failed[0][1]}; the "
-                            f"others are stopped in {grace:.0f} s unless they exit first"
-                        )
             if all(code is not None for code in codes):
                 break
             now = time.monotonic()
@@ -259,6 +254,13 @@ class LocalProcesses:
                 return TIMEOUT_EXIT_CODE
             if stop_at is not None and now > stop_at:
                 if not terminated:
+                    assert first_failure is not None
+                    running = [str(rank) for rank, code in enumerate(codes) if code is None]
+                    self._note(
+                        f"process {first_failure[0]} exited with code {first_failure[1]} and "
+                        f"process(es) {', '.join(running)} still run {grace:.0f} s later "
+                        "(--grace); stopping them (SIGTERM, then SIGKILL)"
+                    )
                     self.signal(signal.SIGTERM)
                     terminated, stop_at = True, now + KILL_AFTER_TERM
                 else:

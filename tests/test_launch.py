@@ -83,7 +83,10 @@ def test_a_failing_process_stops_the_others_and_sets_the_exit_code():
     result = run_launcher(code, "--grace", "1")
     assert result.returncode == 3
     assert 1 + launch.KILL_AFTER_TERM < time.monotonic() - start < 30  # SIGTERM, SIGKILL
-    assert "process 1 exited with code 3; the others are stopped in 1 s" in result.stderr
+    assert (
+        "process 1 exited with code 3 and process(es) 0 still run 1 s later (--grace); "
+        "stopping them (SIGTERM, then SIGKILL)"
+    ) in result.stderr
 
 
 # Each process reports the signal it got: a stop request must arrive as SIGTERM, the

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from meshkit import _preemption_signals
+
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM or Ctrl-C after saving (EX_TEMPFAIL: "try again")."""
 
@@ -44,7 +46,8 @@ class PreemptionWatcher:
         self._previous_int: Any = None
         processes = jax.process_count()
         self._synced = jax.distributed.is_initialized()
-        if processes > 1 and not self._synced:
+        self._watching = processes == 1 or self._synced
+        if not self._watching:
             # Several processes without jax.distributed (e.g. a TPU pod whose launch was
             # not detected): a per-process flag could stop processes at different steps,
             # which hangs the others, so preemption is not watched at all.
@@ -84,7 +87,9 @@ class PreemptionWatcher:
         """Whether to save and stop after ``step``; call it at every step on every process."""
         if self._synced:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self._signalled.is_set()  # never set with several unsynchronised processes
+        if not self._watching:  # processes could stop at different steps: never stop
+            return False
+        return self._signalled.is_set() or _preemption_signals.requested()
 
     def close(self) -> None:
         """Restores the SIGTERM and SIGINT handlers that were there before."""

@@ -1,0 +1,153 @@
+"""The first failure of a multi-process job, told to every process through JAX's key-value store.
+
+Without this, a process whose peer failed learns of it only from the runtime: at once
+when the peer hosted the coordination service (process 0), otherwise after the
+heartbeat timeout (100 s on a cluster), and then through a C++ abort with a stack
+trace, or a collective's ``Connection closed by peer``, printed after the real error.
+
+With it, a failing process publishes one line (who failed, with what) under
+``FAILURE_KEY`` before anything else. A watcher thread in every other process waits on
+that key; when it appears the process prints one line naming the failed process and
+exits with the same code, within a fraction of a second. The failing process waits
+(at most ``ACK_TIMEOUT`` seconds) until its peers have said so, then prints its own
+traceback: the real error is the last thing in the job's output, and the failing
+process exits first (the others wait for its word that the error is printed). A process
+that fails after another one did prints its own error in one line, not a second
+traceback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+FAILURE_KEY = "meshkit/failure"
+STOPPED_PREFIX = "meshkit/stopped/"
+REPORTED_KEY = "meshkit/failure-reported"
+ACK_TIMEOUT = 3.0
+"""Seconds a failing process waits for its peers to stop before printing its error."""
+EXIT_AFTER = 1.0
+"""Seconds a stopping process waits after the failing one said its error is printed."""
+POLL_MS = 200
+"""One blocking key-value read at a time (the GIL is released while it waits); the
+watcher is joined before the interpreter exits, so a normal exit waits at most this."""
+
+_closing = threading.Event()
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+
+
+def silence() -> None:
+    """Sends whatever this process still prints to ``/dev/null``: after its last word, a
+    process that stops must not bury the real error under the runtime's reactions (a
+    fatal log and C++ stack trace when the coordination service goes away, a note on
+    the SIGTERM a launcher sends)."""
+    _flush()
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+
+
+def announce(process_id: int, code: int, summary: str, num_processes: int | None) -> str | None:
+    """Publishes this process's failure; returns the earlier failure's line if there was one.
+
+    When this is the first failure, waits until every peer has stopped (or
+    ``ACK_TIMEOUT`` passes) so that the caller's error is printed after theirs.
+    """
+    client = _client()
+    if client is None:
+        return None
+    _closing.set()  # this process's own watcher has nothing more to do
+    try:
+        client.key_value_set(FAILURE_KEY, f"{process_id}\t{code}\t{summary}")
+    except Exception:  # the key exists: a peer failed first; or the service is gone
+        with contextlib.suppress(Exception):
+            return client.key_value_try_get(FAILURE_KEY).split("\t", 2)[2]
+        return None
+    peers = (num_processes or 1) - 1
+    deadline = time.monotonic() + ACK_TIMEOUT
+    while peers > 0 and time.monotonic() < deadline:
+        try:
+            if len(client.key_value_dir_get(STOPPED_PREFIX)) >= peers:
+                break
+        except Exception:
+            break
+        time.sleep(0.05)
+    return None
+
+
+def _stop_for(process_id: int, value: str) -> None:
+    failed, code, summary = value.split("\t", 2)
+    print(
+        f"[meshkit] Process {process_id} stopping: process {failed} failed with {summary} "
+        "(its traceback follows).",
+        file=sys.stderr,
+    )
+    silence()
+    client = _client()
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{STOPPED_PREFIX}{process_id}", "1")
+    # Exit after the failing process: it prints while the coordination service (process
+    # 0) is up, and a launcher that stops the job at the first bad exit (srun
+    # --kill-on-bad-exit) does not cut its traceback short.
+    with contextlib.suppress(Exception):
+        client.blocking_key_value_get(REPORTED_KEY, int((ACK_TIMEOUT + 10) * 1000))
+    time.sleep(EXIT_AFTER)  # the failing process exits first, before the service can vanish
+    os._exit(int(code))
+
+
+def reported() -> None:
+    """Says that the first failure's error is printed (process 0 may now exit)."""
+    client = _client()
+    if client is not None:
+        silence()
+        with contextlib.suppress(Exception):
+            client.key_value_set(REPORTED_KEY, "1")
+
+
+def _watch(client: Any, process_id: int) -> None:
+    while not _closing.is_set():
+        try:
+            value = client.blocking_key_value_get(FAILURE_KEY, POLL_MS)
+        except Exception:  # nothing yet (a timeout), or the runtime is shutting down
+            if not _closing.is_set():
+                time.sleep(0.05)
+            continue
+        if _closing.is_set():
+            return
+        if int(value.split("\t", 1)[0]) != process_id:
+            _stop_for(process_id, value)
+        return
+
+
+def watch_peers(process_id: int | None) -> None:
+    """Starts the watcher thread of this process (after ``jax.distributed.initialize``)."""
+    client = _client()
+    if client is None or process_id is None:
+        return
+    watcher = threading.Thread(
+        target=_watch, args=(client, process_id), name="meshkit-peer-failure", daemon=True
+    )
+    watcher.start()
+
+    def close() -> None:  # a thread left inside a C++ call when Python exits aborts it
+        _closing.set()
+        watcher.join(timeout=5 * POLL_MS / 1000)
+
+    atexit.register(close)  # runs before JAX's own shutdown, which registered earlier
