@@ -164,7 +164,7 @@ def srun_command(script: str) -> list[str]:
     return shlex.split(line)[1:]
 
 
-def summary(workdir: Path) -> dict[str, object]:
+def summary(workdir: Path) -> dict[str, Any]:
     values = json.loads((workdir / "summary.json").read_text())
     return {key: value for key, value in values.items() if key not in TIMING}
 
@@ -222,7 +222,7 @@ def train_records(workdir: Path) -> dict[int, tuple[float, float, float]]:
     }
 
 
-def previous(records: dict[int, object], step: int) -> int:
+def previous(records: Mapping[int, object], step: int) -> int:
     return max((other for other in records if other < step), default=0)
 
 
