@@ -247,13 +247,14 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     After ``jax.distributed.initialize`` a process that leaves through an exception
     first waits in ``jax.distributed``'s shutdown for every other process (up to 300 s),
     while they wait for it in their next collective: the whole job hangs. This hook
-    prints the traceback as before (through the previous ``sys.excepthook``), flushes
-    the standard streams and the ``logging`` handlers, and ends the process with
-    ``os._exit``: code 1, or 130 for ``KeyboardInterrupt``. Its peers then notice a
-    missing peer (at once when this is process 0, which hosts the coordination service;
-    after the heartbeat timeout otherwise) and stop too. Files the program left open
-    and ``atexit`` handlers are not flushed or run; ``meshkit.train.fit`` closes its
-    own files on the way out.
+    first tells the other processes through JAX's key-value store (a watcher thread
+    in each of them prints one line naming this failure and stops it within a
+    second), then prints the traceback as before (through the previous
+    ``sys.excepthook``) and one last line naming the error, flushes the standard
+    streams and the ``logging`` handlers, and ends the process with ``os._exit``: code
+    1, or 130 for ``KeyboardInterrupt``. Files the program left open and ``atexit``
+    handlers are not flushed or run; ``meshkit.train.fit`` closes its own files on the
+    way out.
 
     ``initialize`` installs it when there are several processes. Call it yourself only
     after a ``jax.distributed.initialize`` of your own.
@@ -306,6 +307,8 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
             os._exit(code)
 
     sys.excepthook = hook
+    if peers:
+        _peer_failure.watch_peers(process_id)
 
 
 def initialize(
@@ -397,5 +400,4 @@ def initialize(
     _preemption_signals.forward_to_jax()
     if fail_fast and (launch.num_processes is None or launch.num_processes > 1):
         exit_on_uncaught_exception(launch.process_id)
-        _peer_failure.watch_peers(_process_id(launch.process_id))
     return launch

@@ -28,6 +28,8 @@ Other runs::
     python -m recipes.sweep --halving                 # successive halving with refill
     python -m recipes.sweep --mesh ensemble=4,data=2  # each member's batch over 2 devices
     python -m recipes.sweep --precision bf16 --microbatches 2
+    python -m recipes.sweep --slice 0/2 --workdir workdir/sweep_0  # half the points
+    python -m meshkit.sweep merge workdir/sweep_0 workdir/sweep_1  # ranked as one table
 
 Rerunning with the same ``--workdir`` resumes: a sweep killed at any point ends with
 the same table as one never interrupted.
@@ -63,7 +65,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32")
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument(
+        "--slice",
+        type=slice_of,
+        default=(0, 1),
+        metavar="I/N",
+        help="train only every N-th point from the I-th (0 <= I < N), e.g. "
+        "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT in a job array; merge the slices' "
+        "tables with python -m meshkit.sweep merge",
+    )
     return parser.parse_args(argv)
+
+
+def slice_of(text: str) -> tuple[int, int]:
+    """``"I/N"`` as ``(I, N)``, checked."""
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < N in I/N, got {text!r}")
+    return i, n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     space = sweep.Space(
         learning_rate=sweep.log_grid(1e-3, 1e-1, 4), weight_decay=sweep.log_grid(1e-5, 1e-2, 4)
     )
-    points = space.grid()
+    index, count = args.slice
+    points = space.grid()[index::count]
+    if not points:
+        raise SystemExit(f"--slice {index}/{count}: no points; the grid has {len(space.grid())}")
     try:
         layout = ensemble.EnsembleLayout(meshkit.make_mesh(args.mesh), len(points))
     except ValueError as error:  # says what was received and how to fix it
@@ -125,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir,
         {
             "points": len(points),
+            "slice": f"{index}/{count}",
             "trials": len(result.trials),
             "mesh": dict(layout.mesh.shape),
             "processes": jax.process_count(),

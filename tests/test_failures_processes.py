@@ -6,6 +6,8 @@ written to a file, so that start-up dominates and the tests stay a few seconds l
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,10 +22,12 @@ from meshkit.testing import start_processes
 
 pytestmark = pytest.mark.multiprocess
 
-# python train.py WORKDIR FAIL_ON: trains "forever"; process FAIL_ON (-1: none) raises on
-# reading its 161st row (step 21), as a corrupt record would make it.
+# python train.py WORKDIR FAIL_ON HOW: trains "forever"; process FAIL_ON (-1: none) raises
+# on reading its 161st row (step 21), as a corrupt record would make it, or with HOW
+# "stall" waits there forever, as a dead file server would make it.
 TRAIN = textwrap.dedent("""
     import sys
+    import threading
 
     import meshkit
 
@@ -37,7 +41,7 @@ TRAIN = textwrap.dedent("""
 
     from meshkit import data, train
 
-    workdir, fail_on = sys.argv[1], int(sys.argv[2])
+    workdir, fail_on, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     rows_read = 0
 
 
@@ -45,6 +49,8 @@ TRAIN = textwrap.dedent("""
         global rows_read
         rows_read += 1
         if jax.process_index() == fail_on and rows_read > 160:
+            if how == "stall":
+                threading.Event().wait()  # a read that never returns
             raise RuntimeError(f"a corrupt record on process {fail_on}")
         return record
 
@@ -78,17 +84,20 @@ def write_script(tmp_path: Path) -> Path:
     return script
 
 
-def launch(tmp_path: Path, fail_on: int, *launcher_args: str) -> tuple[int, str, float]:
+def launch(
+    tmp_path: Path, fail_on: int, *launcher_args: str, how: str = "raise", processes: int = 2
+) -> tuple[int, str, float]:
     """Runs the script under ``python -m meshkit.launch``: exit code, output, seconds."""
-    command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "90"]
-    command += [*launcher_args, "--", sys.executable, str(write_script(tmp_path))]
+    command = [sys.executable, "-m", "meshkit.launch", "-n", str(processes), "-d", "2"]
+    command += ["--timeout", "90", *launcher_args, "--", sys.executable]
     start = time.monotonic()
     result = subprocess.run(
-        [*command, str(tmp_path / "work"), str(fail_on)],
+        [*command, str(write_script(tmp_path)), str(tmp_path / "work"), str(fail_on), how],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env={**os.environ, "MESHKIT_STALL_TIMEOUT": "4"},
     )
     return result.returncode, result.stdout + result.stderr, time.monotonic() - start
 
@@ -129,12 +138,35 @@ def test_a_raise_on_process_1_ends_the_job_without_the_launchers_help(tmp_path: 
     assert "stopped after step" not in out
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stalled_process_ends_the_job_naming_where_it_waits(tmp_path: Path, processes: int):
+    # Process 1's input never returns at step 21; process 0 waits for it in the step's
+    # collective. Both are alive, so heartbeats alone would wait forever. With one
+    # process, its own input stalls.
+    stalled = processes - 1
+    code, out, seconds = launch(
+        tmp_path, stalled, "--grace", "60", how="stall", processes=processes
+    )
+    lines = [line for line in out.splitlines() if "[Gloo]" not in line]
+    assert code == 1, out[-3000:]
+    assert seconds < 40, out[-3000:]  # a 4 s limit (MESHKIT_STALL_TIMEOUT), then at once
+    assert re.match(
+        rf"\[{stalled}\] \[meshkit\] Process {stalled} stalled: no progress for 4 s at step "
+        r"\d+, waiting for its next input batch\. The limit is Dispatch\(stall_timeout=\) or "
+        r"MESHKIT_STALL_TIMEOUT \(4 s\); exiting with code 1",
+        lines[-1],
+    ), out[-3000:]
+    assert f"[{stalled}] Where the main thread waits" in out  # then the stack, for the cause
+    if processes == 2:
+        assert "[0] [meshkit] Process 0 stopping: process 1 failed with StallError" in out
+
+
 def test_ctrl_c_on_one_process_saves_on_both_at_the_same_step(tmp_path: Path):
     # Without a launcher (srun, hosts started by hand) the SIGINT reaches the process
     # itself: fit turns it into the SIGTERM that JAX's preemption service synchronises.
     work = tmp_path / "work"
     group = start_processes(
-        [str(write_script(tmp_path)), str(work), "-1"],
+        [str(write_script(tmp_path)), str(work), "-1", "none"],
         devices_per_process=2,
         log_dir=tmp_path / "logs",
     )
@@ -162,7 +194,7 @@ def test_ctrl_c_to_the_launcher_saves_on_every_process_and_exits_75(tmp_path: Pa
     work = tmp_path / "work"
     command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "90"]
     launcher = subprocess.Popen(
-        [*command, "--", sys.executable, str(write_script(tmp_path)), str(work), "-1"],
+        [*command, "--", sys.executable, str(write_script(tmp_path)), str(work), "-1", "none"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

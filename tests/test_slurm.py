@@ -24,8 +24,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from slurm_cluster import SlurmCluster, unavailable
@@ -137,7 +138,7 @@ def state(cluster: SlurmCluster, job: str) -> str:
     return cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
 
 
-def wait_until(condition, what: str, timeout: float, folder: Path) -> float:
+def wait_until(condition: Callable[[], bool], what: str, timeout: float, folder: Path) -> float:
     """Seconds until ``condition()``; fails with the job's output after ``timeout``."""
     start = time.monotonic()
     while not condition():
@@ -226,30 +227,49 @@ def previous(records: Mapping[int, object], step: int) -> int:
     return max((other for other in records if other < step), default=0)
 
 
-def test_requeue_saves_exits_75_restarts_and_ends_as_an_uninterrupted_run(
+def test_preempted_twice_the_requeue_script_ends_as_an_uninterrupted_run(
     cluster: SlurmCluster, reference: Path, tmp_path: Path
 ):
-    """``scontrol requeue`` on the running requeue script of docs/checkpoints.md: every
-    task gets SIGTERM with the cluster's grace period before SIGKILL, saves at the same
-    step and exits 75; SLURM requeues the job, the restart resumes from that checkpoint
-    and ends with the losses of an uninterrupted run."""
+    """The requeue script of docs/checkpoints.md, stopped twice:
+
+    1. ``scancel --signal=TERM``: every task saves at the same step and exits 75, and
+       the script requeues its own job;
+    2. ``scontrol requeue`` on the restarted run: SIGTERM with the cluster's grace
+       period before SIGKILL; the tasks save, and SLURM requeues the job itself.
+
+    The third run resumes from the second save and ends with the values of an
+    uninterrupted run."""
     root = site(tmp_path / "requeued")
     script = fit_to_fixture(docs_scripts()["requeue"], root, every=4)
     workdir = Path(srun_command(script)[-1])
     folder = root / "job"
     job = submit(cluster, script, folder, job_environment(cluster, 4))
+
+    def restart_now() -> None:  # a requeued job waits two minutes before it may start
+        wait_until(lambda: state(cluster, job) == "PENDING", "the requeue", 60, folder)
+        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        wait_until(lambda: state(cluster, job) == "RUNNING", "the restart", 60, folder)
+
     wait_until((workdir / "checkpoints" / "4").is_dir, "checkpoint 4", 240, folder)
+    cluster.run(["scancel", "--signal=TERM", job])
+    restart_now()
+    out = output(folder)
+    stops = re.findall(r"Reached preemption sync point, step=(\d+)", out)
+    assert len(stops) >= 2 and len(set(stops)) == 1, out[-4000:]  # both tasks, one step
+    assert "Exited with exit code 75" in out, out[-4000:]
+    first = int(stops[0])
+
+    periodic = (first // 4 + 1) * 4  # the restarted run's first periodic checkpoint
+    wait_until((workdir / "checkpoints" / str(periodic)).is_dir, "a new checkpoint", 240, folder)
     cluster.run(["scontrol", "requeue", job])
-    # A requeued job waits two minutes before it may start again; the test starts it now.
-    wait_until(lambda: state(cluster, job) == "PENDING", "the requeue", 60, folder)
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-    wait_until(lambda: state(cluster, job) == "", "the requeued run", 240, folder)
+    restart_now()
+    wait_until(lambda: state(cluster, job) == "", "the last run", 240, folder)
     out = output(folder)
     assert "DUE TO JOB REQUEUE" in out, out[-4000:]
-    # srun stops passing on the tasks' output once the job is requeued, so what they
-    # did is read from the run's files: a save after the signal, resumed from.
+    # srun stops passing on the tasks' output once SLURM requeues the job, so what they
+    # did then is read from the run's files: a save after the signal, resumed from.
     final = json.loads((workdir / "summary.json").read_text())
-    assert final["steps"] == STEPS and 4 <= final["resumed_from"] < STEPS, final
+    assert final["steps"] == STEPS and periodic <= final["resumed_from"] < STEPS, final
     # Records are means over the steps since the previous record (and checkpoints end
     # an interval): where both runs' intervals match after the restart, so do the values.
     resumed, uninterrupted = train_records(workdir), train_records(reference)
@@ -293,7 +313,7 @@ def failing_job(cluster: SlurmCluster, tmp_path: Path, fail_on: int, srun_option
     script = (
         "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=%x-%j.out\n"
         f"source {sys.prefix}/bin/activate\n"
-        f"srun {srun_options} python {tmp_path / 'train.py'} {tmp_path / 'work'} {fail_on}\n"
+        f"srun {srun_options} python {tmp_path / 'train.py'} {tmp_path / 'work'} {fail_on} raise\n"
     )
     env = job_environment(cluster, 2, MESHKIT_HEARTBEAT_TIMEOUT="10")
     return submit(cluster, script, tmp_path / "job", env)
@@ -346,3 +366,50 @@ def _is_python(pid: int) -> bool:
         return b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+SWEEP_STEPS = 20
+SWEEP = [sys.executable, "-m", "recipes.sweep", "--steps", str(SWEEP_STEPS), "--no-progress"]
+
+
+def test_a_sweep_as_a_job_array_merges_into_the_table_of_one_program(
+    cluster: SlurmCluster, tmp_path: Path
+):
+    """The job-array script of docs/sweeps.md as two array tasks of 8 points each; the
+    merged table holds each of the 16 points once, with the score it gets when all 16
+    train in one program."""
+    text = (REPO / "docs" / "sweeps.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    script = next(block for block in blocks if "#SBATCH --array" in block)
+    script = fit_to_fixture(script, tmp_path, steps=SWEEP_STEPS)
+    script = script.replace("--array=0-3", "--array=0-1")
+    folder = tmp_path / "job"
+    job = submit(cluster, script, folder, job_environment(cluster, 4))
+    wait_until(lambda: state(cluster, job) == "", f"array job {job}", 300, folder)
+    slices = sorted((tmp_path / "project" / "sweep").glob("slice_*"))
+    assert [path.name for path in slices] == ["slice_0", "slice_1"], output(folder)[-4000:]
+    merge_line = next(block for block in blocks if "meshkit.sweep merge" in block).strip()
+    merge = shlex.split(merge_line.replace("/project/$USER", str(tmp_path / "project")))
+    paths = [str(path) for path in slices]  # the shell's expansion of slice_*
+    command = [sys.executable, *merge[1:3], *paths, *merge[4:]]
+    merged_run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    assert merged_run.returncode == 0, merged_run.stderr[-3000:]
+    assert "16 trials from 2 sweeps" in merged_run.stdout
+    merged = json.loads((tmp_path / "project" / "sweep" / "merged.json").read_text())
+    scores = {json.dumps(t["hyperparameters"], sort_keys=True): t for t in merged["trials"]}
+    assert len(scores) == 16 and {t["source"] for t in merged["trials"]} == {"slice_0", "slice_1"}
+
+    one_program = subprocess.run(
+        [*SWEEP, "--cpu-devices", "8", "--workdir", str(tmp_path / "one_program")],
+        cwd=REPO,
+        env=job_environment(cluster, 8),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert one_program.returncode == 0, one_program.stderr[-3000:]
+    together = json.loads((tmp_path / "one_program" / "results.json").read_text())["trials"]
+    for trial in together:
+        sliced = scores[json.dumps(trial["hyperparameters"], sort_keys=True)]
+        assert sliced["score"] == pytest.approx(trial["score"], abs=1 / 360 + 1e-9)
+        assert sliced["metrics"]["loss"] == pytest.approx(trial["metrics"]["loss"], rel=1e-3)

@@ -28,6 +28,7 @@ from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
 from meshkit.train._settings import Checkpoints, Dispatch, Evaluation, Logging, resolve_deprecated
+from meshkit.train._stall import StallWatch
 from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
 
@@ -213,6 +214,7 @@ def fit(
         window,
         log_every=settings.logging.every,
         hooks=hooks,
+        stall=StallWatch(settings.dispatch.stall_timeout),
     )
     began = time.perf_counter()
     try:
@@ -229,6 +231,7 @@ def fit(
             )
         checkpointer.wait()
     finally:
+        loop.stall.close()
         profiler.stop(loop.state)
         batches.close()
         watcher.close()
@@ -355,8 +358,10 @@ class _Loop:
         *,
         log_every: int,
         hooks: Sequence[Hook],
+        stall: StallWatch,
     ):
         self.state = state
+        self.stall = stall
         self.records = records
         self.batches = batches
         self.evaluation = evaluation
@@ -389,7 +394,11 @@ class _Loop:
         for step in range(start + 1, num_steps + 1):
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                if sums is not None:
+                    self.stall.enter("input", step)
                 batch = next(self.batches)
+                if sums is not None:
+                    self.stall.enter("devices", step)
                 if sums is None or interval is None:
                     sums, self.state, interval = MetricSums.first_step(
                         train_step, self.state, batch, mesh=mesh
@@ -435,6 +444,7 @@ class _Loop:
         for queued in self.window.drain():
             self._settle(queued)
         self._settle(_Queued(step, interval, closes_log=True))
+        self.stall.pause()  # saves and evaluations may take long; the next step re-arms
         done = time.perf_counter()
         self.elapsed = done - self._first_done - self._paused
         if checkpointer is not None:

@@ -208,6 +208,11 @@ class Dispatch:
         The results are the same for any depth.
       profile_steps: ``(first_step, count)``: a ``jax.profiler`` trace of those steps
         in ``workdir/profile/process_<i>``; ``None``: no trace.
+      stall_timeout: seconds the loop may wait for one input batch or for the devices
+        before the run counts as stalled and ends with code 1, naming the step and the
+        wait (and, with several processes, stopping every process); ``None``:
+        ``MESHKIT_STALL_TIMEOUT``, else 1800. The first step (compiling), evaluations
+        and checkpoint saves are not timed.
 
     Examples:
         >>> import jax, meshkit
@@ -222,10 +227,16 @@ class Dispatch:
 
     max_in_flight: int | None = None
     profile_steps: tuple[int, int] | None = None
+    stall_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight is not None:
             check_int(self.max_in_flight, name="max_in_flight", minimum=1, unit="step")
+        timeout = self.stall_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ValueError(f"stall_timeout must be a number of seconds > 0, got {timeout!r}.")
         steps = self.profile_steps
         if steps is None:
             return
