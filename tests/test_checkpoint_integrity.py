@@ -314,3 +314,66 @@ def test_an_edited_data_state_is_damage_and_resume_falls_back(tmp_path):
         resumed = checkpointer.resume(placed(saved[2], mesh))
     assert resumed is not None and resumed.step == 1 and resumed.data == {"step": 1}
     checkpointer.close()
+
+
+FILL_THE_DISK = """
+import sys
+import meshkit
+meshkit.distributed.initialize(cpu_devices=2)
+import flax.linen as nn, jax.numpy as jnp, numpy as np, optax
+from meshkit import data, train
+mesh = meshkit.make_mesh("data=-1")
+sharding = meshkit.batch_sharding(mesh)
+rng = np.random.default_rng(0)
+source = data.ArraySource(
+    {"image": rng.normal(size=(256, 64)).astype(np.float32), "label": rng.integers(0, 2, 256)}
+)
+pipeline = data.TrainPipeline(source, global_batch_size=16, sharding=sharding)
+model = train.linen_model(nn.Dense(512), jnp.zeros((1, 64)))
+state = train.create_train_state(model, optax.adam(0.1), mesh)
+step = train.make_train_step(train.classification_loss, train.state_shardings_of(state), sharding)
+train.fit(state, step, pipeline, num_steps=40, workdir=sys.argv[1],
+          checkpoints=train.Checkpoints(every=10), logging=train.Logging(every=5, progress=False))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
+    # A real full file system: a 600 KiB tmpfs, where the second checkpoint (about
+    # 400 KiB of parameters and Adam moments) cannot fit. Orbax reports it through
+    # TensorStore as RESOURCE_EXHAUSTED, its threads log it, and its abandoned writes
+    # complain at exit; the run must end on one line that names the full disk.
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", FILL_THE_DISK, str(disk / "run")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 1, lines[-20:]
+    assert lines[-1].startswith(
+        "meshkit.train._checkpoint.CheckpointSaveError: Saving the checkpoint of step 20 in "
+    ), lines[-20:]
+    assert "failed: No space left on device (or the disk quota is exceeded)." in lines[-1]
+    assert "Free space on that file system (or keep fewer checkpoints)" in lines[-1]
+    assert "resume from step 10" in lines[-1]
+    assert len(lines) < 40, "\n".join(lines)  # 293 lines before

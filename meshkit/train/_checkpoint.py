@@ -7,7 +7,6 @@ module; nothing here names Orbax.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import warnings
 from typing import Any
 
@@ -19,7 +18,13 @@ from jax.experimental import multihost_utils
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
 from meshkit.train._digest import checkpoint_damage
-from meshkit.train._orbax import Storage, os_error, root_cause
+from meshkit.train._orbax import (
+    Storage,
+    disk_full,
+    os_error,
+    quiet_abandoned_writes,
+    root_cause,
+)
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -144,7 +149,10 @@ class Checkpointer:
         except Exception as error:
             if os_error(error) is None:
                 raise
-            raise self._save_failed(step, error, step) from error
+            failure = self._save_failed(step, error, step)
+            if disk_full(error) and os_error(error) is None:
+                raise failure from None
+            raise failure from error
         self._pending = step if started else None
         return started
 
@@ -164,15 +172,19 @@ class Checkpointer:
         try:
             self._storage.wait()
         except Exception as error:
-            raise self._save_failed(step, error, stopped_at) from error
+            failure = self._save_failed(step, error, stopped_at)
+            if disk_full(error) and os_error(error) is None:  # TensorStore's: said in full,
+                raise failure from None  # and Orbax's long traceback would only bury it
+            raise failure from error
 
     def _save_failed(
         self, step: int, error: BaseException, stopped_at: int | None = None
     ) -> CheckpointSaveError:
         """Removes the partial folder of ``step``; the error to raise, in one line."""
+        quiet_abandoned_writes()
         partial = self._storage.remove_partial(step)
         system = os_error(error)
-        full = system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = disk_full(error)
         latest = self._storage.latest_step()
         stopped = (
             f"Training stopped at step {stopped_at}"
@@ -182,10 +194,12 @@ class Checkpointer:
         removed = f" and the partial folder {partial[0].name} was removed" if partial else ""
         resume = f"resume from step {latest}" if latest is not None else "start over"
         fix = "Free space on that file system (or keep fewer checkpoints)" if full else "Fix that"
+        cause = str(system) if system is not None else root_cause(error)
+        if full and system is None:
+            cause = "No space left on device (or the disk quota is exceeded)"
         return CheckpointSaveError(
             f"Saving the checkpoint of step {step} in {self.directory} failed: "
-            f"{system if system is not None else root_cause(error)}. {stopped}{removed}. "
-            f"{fix}, then rerun the same command to {resume}."
+            f"{cause}. {stopped}{removed}. {fix}, then rerun the same command to {resume}."
         )
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import sys
@@ -207,6 +208,57 @@ def root_cause(error: BaseException, limit: int = 300) -> str:
     root = chain(error)[-1]
     line = (str(root).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
     return f"{type(root).__name__}: {line if len(line) <= limit else line[: limit - 3] + '...'}"
+
+
+_FULL = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` comes from a full disk or an exceeded quota: an ``OSError`` with
+    ``ENOSPC``/``EDQUOT`` in its chain, or TensorStore's message for one (Orbax passes
+    those on as ``ValueError("RESOURCE_EXHAUSTED: ... No space left on device")``)."""
+    for link in chain(error):
+        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(link) for text in _FULL):
+            return True
+    return False
+
+
+def quiet_abandoned_writes() -> None:
+    """After a failed save, drops what Orbax's abandoned write tasks print as the
+    interpreter shuts down (``Exception ignored in: <coroutine ... write_fragment>``,
+    ``ImportError: sys.meta_path is None``, asyncio's ``Task exception was never
+    retrieved``): dozens of lines after the one error that says what happened. Other
+    unraisable exceptions and asyncio records are reported as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshkit_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
+        tb = unraisable.exc_traceback
+        files = []
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if "orbax" in " ".join(files) or "write_fragment" in where:
+            return
+        previous(unraisable)
+
+    hook._meshkit_quiet = True  # pyright: ignore[reportFunctionMemberAccess]
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_AbandonedOrbaxTasks())
+
+
+class _AbandonedOrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for Orbax's write tasks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            "never retrieved" in record.getMessage()
+            and "orbax" in str(record.msg) + str(record.args)
+        )
 
 
 def os_error(error: BaseException) -> OSError | None:
