@@ -6,6 +6,7 @@ the code under test.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -409,3 +410,37 @@ def test_tfds_array_record_data_reads_without_tensorflow(tmp_path):
     assert "tensorflow" not in sys.modules
     with pytest.raises(FileNotFoundError, match="tfds build absent --file_format=array_record"):
         TfdsSource("absent", split="train", data_dir=tmp_path)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_an_image_that_fails_in_the_transform_names_its_record_and_file(tmp_path, batched):
+    # The record is well formed (msgpack, PNG magic) but its pixels are cut short: the
+    # failure comes from the training transform, far from the source that read it.
+    import jax
+
+    import meshkit
+    from meshkit.data import TrainPipeline
+
+    good = [png_bytes(image) for image in smooth_images(8)]
+    good[5] = good[5][:40]  # a PNG cut short: header intact, pixels gone
+    path = tmp_path / "train.array_record"
+    write_image_records(path, good, list(range(8)), format="png", num_classes=8)
+    source = image_records(path)
+    transform = image_ops.train_transform((8, 8), mean=0.5, std=0.25)
+    if not batched:
+        transform = functools.partial(transform)  # no .batch: one example at a time
+    mesh = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
+    pipeline = TrainPipeline(
+        source, global_batch_size=8, sharding=meshkit.batch_sharding(mesh), transform=transform
+    )
+    with pytest.raises(Exception) as info:  # whatever the decoder raises, kept as it is
+        pipeline.local_batch(0)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"Record 5 of {path}" in notes, notes
+    assert "source index 5 of EncodedRecordSource(" in notes, notes

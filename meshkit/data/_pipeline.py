@@ -299,7 +299,11 @@ class TrainPipeline(_Pipeline):
         record, rng = self._read(position)
         if self.transform is None:
             return record
-        out = self.transform(record, rng)  # pyright: ignore[reportArgumentType]
+        try:
+            out = self.transform(record, rng)  # pyright: ignore[reportArgumentType]
+        except Exception as error:
+            error.add_note(self._where_transform_failed(position))
+            raise
         if "label" in out:
             self._check_transformed_labels(out["label"], [position])
         return out
@@ -311,7 +315,17 @@ class TrainPipeline(_Pipeline):
         size = self.shard.size
         records, rngs = zip(*(self._read(step * size + row) for row in range(size)), strict=True)
         build_batch: Callable[..., Record] = getattr(self.transform, "batch")  # noqa: B009
-        batch = build_batch(records, rngs)
+        try:
+            batch = build_batch(records, rngs)
+        except Exception:
+            # Find the example that fails, one at a time (only on this failure path).
+            for row, (record, rng) in enumerate(zip(records, rngs, strict=True)):
+                try:
+                    self.transform(record, rng)  # pyright: ignore[reportOptionalCall]
+                except Exception as error:
+                    error.add_note(self._where_transform_failed(step * size + row))
+                    raise
+            raise
         if "label" in batch:
             self._check_transformed_labels(batch["label"], [step * size + r for r in range(size)])
         return batch
@@ -331,6 +345,16 @@ class TrainPipeline(_Pipeline):
             ignore_label=getattr(self.source, "ignore_label", None),
             indices=np.asarray([self._source_index(position) for position in positions]),
             item="source index",
+        )
+
+    def _where_transform_failed(self, position: int) -> str:
+        """The note added to a transform's error: which example, stored where."""
+        index = self._source_index(position)
+        locate = getattr(self.source, "locate", None)
+        stored = f"{locate(index)}, " if callable(locate) else ""
+        return (
+            f"[meshkit] while the transform {type(self.transform).__name__} read {stored}"
+            f"source index {index} of {self.source!r}"
         )
 
     def _locate(self, position: int) -> tuple[int, int, int]:

@@ -228,6 +228,10 @@ class EncodedRecordSource:
             self._fingerprint = f"encoded_records:{self.paths[0].name}:{digest.hexdigest()[:16]}"
         return self._fingerprint
 
+    def locate(self, index: int) -> str:
+        """Where example ``index`` is stored: ``"Record 7 of a.array_record"`` (for messages)."""
+        return self._locate(self._key(index))
+
     def _locate(self, key: int) -> str:
         """``"record 7 of b.array_record (record 1 of that file)"``, or without the part."""
         file = int(np.searchsorted(self._offsets, key, side="right")) - 1
