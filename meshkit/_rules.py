@@ -35,22 +35,64 @@ class FSDP:
     """Fully sharded data parallelism for one leaf: shard its largest divisible dimension.
 
     The dimension chosen is the largest one divisible by the size of ``axis``; leaves
-    with fewer than ``min_size`` elements stay replicated (sharding them saves little
-    memory and costs a collective each).
+    smaller than the threshold stay replicated (sharding them saves little memory and
+    costs a collective each).
 
     Attributes:
       axis: the mesh axis (or axes) to shard over, usually the data axis.
       min_size: leaves with fewer elements than this are replicated.
+      min_bytes: when given, replaces ``min_size``: leaves of fewer bytes than this are
+        replicated, whatever their dtype (big_vision's ``min_size_to_shard_mb`` counts
+        bytes; a bfloat16 leaf then needs twice the elements of a float32 one).
+      base: a spec applied first, as a ``PartitionSpec`` rule would apply it (e.g.
+        ``P(None, "model")`` for tensor parallelism); FSDP then shards the largest
+        dimension the base leaves unsharded. One leaf, two rules chained, as
+        big_vision's ``("dim", ...)`` followed by ``("fsdp", ...)``.
+
+    Examples:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> FSDP("data", min_bytes=2**20, base=P(None, "model"))
+        FSDP(axis='data', min_bytes=1048576, base=P(None, 'model'))
     """
 
     axis: str | tuple[str, ...] = DATA_AXIS
     min_size: int = 2**14
+    min_bytes: int | None = None
+    base: PartitionSpec | None = None
 
     def __post_init__(self) -> None:
         if not entry_axis_names(self.axis):
             raise ValueError("FSDP needs a mesh axis name, e.g. FSDP('data').")
         if self.min_size < 0:
             raise ValueError(f"FSDP min_size must be >= 0, got {self.min_size}.")
+        if self.min_bytes is not None and self.min_bytes < 0:
+            raise ValueError(f"FSDP min_bytes must be >= 0 (or None), got {self.min_bytes}.")
+        if self.base is not None and not isinstance(self.base, PartitionSpec):
+            raise TypeError(
+                f"FSDP base must be a PartitionSpec such as P(None, 'model'), got {self.base!r}."
+            )
+        shared = set(spec_axis_names(self.base or PartitionSpec())) & set(
+            entry_axis_names(self.axis)
+        )
+        if shared:
+            raise ValueError(
+                f"FSDP over {self.axis!r} with base {self.base}: the base already uses "
+                f"{sorted(shared)}; FSDP shards over another axis than the base's."
+            )
+
+    def __repr__(self) -> str:
+        threshold = (
+            f"min_size={self.min_size}" if self.min_bytes is None else f"min_bytes={self.min_bytes}"
+        )
+        base = "" if self.base is None else f", base={self.base!r}"
+        return f"FSDP(axis={self.axis!r}, {threshold}{base})"
+
+    def too_small(self, shape: tuple[int, ...], itemsize: int) -> bool:
+        """Whether a leaf of ``shape`` and ``itemsize`` bytes per element stays replicated."""
+        elements = math.prod(shape)
+        if self.min_bytes is not None:
+            return elements * itemsize < self.min_bytes
+        return elements < self.min_size
 
 
 REPLICATED = PartitionSpec()
@@ -243,7 +285,8 @@ class PartitionRules:
                     placements.append(_apply_logical(leaf_logical, table, name, shape, mesh))
                     continue
             rule = self.default if rule is None else rule
-            spec, dropped = _apply(rule, name, shape, mesh, pattern)
+            itemsize = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype).itemsize
+            spec, dropped = _apply(rule, name, shape, mesh, pattern, itemsize=itemsize)
             if pattern is None and leaf_logical is not None and not spec_axis_names(spec):
                 dropped += (
                     f"{name}: annotated {leaf_logical}, names that are neither mesh axes of "
@@ -275,7 +318,9 @@ def _all_known(names: Names, table: LogicalTable) -> bool:
 
 def rule_axis_names(rule: Rule) -> tuple[str, ...]:
     """The mesh axes a rule refers to."""
-    return entry_axis_names(rule.axis) if isinstance(rule, FSDP) else spec_axis_names(rule)
+    if isinstance(rule, FSDP):
+        return (*spec_axis_names(rule.base or PartitionSpec()), *entry_axis_names(rule.axis))
+    return spec_axis_names(rule)
 
 
 def _check_rule(rule: Any, *, where: str) -> None:
@@ -287,10 +332,16 @@ def _check_rule(rule: Any, *, where: str) -> None:
 
 
 def _apply(
-    rule: Rule, name: str, shape: tuple[int, ...], mesh: Mesh, pattern: str | None
+    rule: Rule,
+    name: str,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    pattern: str | None,
+    *,
+    itemsize: int = 4,
 ) -> tuple[PartitionSpec, tuple[str, ...]]:
     if isinstance(rule, FSDP):
-        return _apply_fsdp(rule, name, shape, mesh)
+        return _apply_fsdp(rule, name, shape, mesh, pattern, itemsize=itemsize)
     if len(rule) > len(shape):
         raise ValueError(
             f"Rule {pattern or 'default'!r} gives {name!r} the spec {rule} with {len(rule)} "
@@ -326,21 +377,36 @@ def _apply_logical(
 
 
 def _apply_fsdp(
-    rule: FSDP, name: str, shape: tuple[int, ...], mesh: Mesh
+    rule: FSDP,
+    name: str,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    pattern: str | None = None,
+    *,
+    itemsize: int = 4,
 ) -> tuple[PartitionSpec, tuple[str, ...]]:
+    base, dropped = (
+        _apply(rule.base, name, shape, mesh, pattern) if rule.base is not None else (None, ())
+    )
+    entries: list[Any] = (
+        [None] * len(shape) if base is None else [*base, *([None] * (len(shape) - len(base)))]
+    )
     axes = entry_axis_names(rule.axis)
     size = math.prod(mesh.shape[axis] for axis in axes)
-    if math.prod(shape) < rule.min_size or size == 1:
-        return PartitionSpec(), ()
-    by_size = sorted(range(len(shape)), key=lambda i: (-shape[i], -i))
+    if rule.too_small(shape, itemsize) or size == 1:
+        return canonical_spec(entries), dropped
+    free = [i for i in range(len(shape)) if entries[i] is None]
+    by_size = sorted(free, key=lambda i: (-shape[i], -i))
     dim = next((i for i in by_size if shape[i] % size == 0), None)
     if dim is None:
-        return PartitionSpec(), (
-            f"{name}: no dimension of shape {shape} is divisible by mesh axes {axes} "
-            f"(size {size}); left replicated",
+        return canonical_spec(entries), (
+            *dropped,
+            f"{name}: no {'unsharded ' if base is not None else ''}dimension of shape {shape} "
+            f"is divisible by mesh axes {axes} (size {size}); left "
+            f"{'as the base places it' if base is not None else 'replicated'}",
         )
-    entry = axes[0] if len(axes) == 1 else axes
-    return canonical_spec([entry if i == dim else None for i in range(len(shape))]), ()
+    entries[dim] = axes[0] if len(axes) == 1 else axes
+    return canonical_spec(entries), dropped
 
 
 def canonical_spec(entries: Sequence[Any]) -> PartitionSpec:

@@ -59,6 +59,48 @@ def test_fsdp_shards_largest_divisible_dimension_and_skips_small():
 
 
 @pytest.mark.devices(8)
+def test_fsdp_threshold_in_bytes_treats_mixed_dtypes_alike():
+    tree = {
+        "bf16_64k": abstract(256, 128, dtype=jnp.bfloat16),  # 32768 elements, 64 KiB
+        "f32_64k": abstract(256, 64),  # 16384 elements, 64 KiB
+        "bf16_32k": abstract(128, 128, dtype=jnp.bfloat16),  # 16384 elements, 32 KiB
+        "f32_32k": abstract(128, 64),  # 8192 elements, 32 KiB
+    }
+    mesh = meshkit.make_mesh("data=8")
+    by_bytes = PartitionRules([(".*", meshkit.FSDP("data", min_bytes=64 * 1024))])
+    specs = {p.path: p.spec for p in by_bytes.resolve(tree, mesh)}
+    assert specs == {"bf16_64k": P("data"), "f32_64k": P("data"), "bf16_32k": P(), "f32_32k": P()}
+    # No element count does the same: the 64 KiB float32 leaf has as many elements as
+    # the 32 KiB bfloat16 one.
+    by_elements = PartitionRules([(".*", meshkit.FSDP("data", min_size=16384))])
+    specs = {p.path: p.spec for p in by_elements.resolve(tree, mesh)}
+    assert specs["bf16_32k"] == P(None, "data") and specs["f32_64k"] == P("data")
+    with pytest.raises(ValueError, match="min_bytes must be >= 0"):
+        meshkit.FSDP(min_bytes=-1)
+
+
+@pytest.mark.devices(8)
+def test_fsdp_chained_after_a_dimension_rule_shards_what_the_base_leaves():
+    mesh = meshkit.make_mesh("data=4,model=2")
+    rule = meshkit.FSDP("data", min_size=0, base=P(None, "model"))
+    tree = {
+        "wide": abstract(256, 1024),  # the base takes 1024; FSDP the largest left: 256
+        "tall": abstract(1024, 256),
+        "odd": abstract(6, 512),  # nothing left divisible by 4: the base alone
+    }
+    placements = {p.path: p for p in PartitionRules([(".*", rule)]).resolve(tree, mesh)}
+    assert placements["wide"].spec == P("data", "model")
+    assert placements["tall"].spec == P("data", "model")
+    assert placements["odd"].spec == P(None, "model")
+    assert "no unsharded dimension of shape (6, 512)" in placements["odd"].dropped[0]
+    assert repr(rule) == "FSDP(axis='data', min_size=0, base=P(None, 'model'))"
+    with pytest.raises(ValueError, match="the base already uses"):
+        meshkit.FSDP("model", base=P(None, "model"))
+    with pytest.raises(ValueError, match=r"tensor"):
+        PartitionRules([(".*", meshkit.FSDP("data", base=P("tensor")))]).resolve(tree, mesh)
+
+
+@pytest.mark.devices(8)
 def test_fsdp_with_no_divisible_dimension_is_reported(caplog):
     mesh = meshkit.make_mesh("data=8")
     with caplog.at_level(logging.WARNING, logger="meshkit"):
