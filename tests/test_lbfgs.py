@@ -510,6 +510,8 @@ def test_parameters_that_do_not_fit_the_data(mesh, data):
     assert "Check the shapes of the starting parameters" in message
     with pytest.raises(TypeError, match=r"Parameter \['w'\] has dtype int64.*np.zeros"):
         solver.solve({"w": np.zeros((FEATURES, CLASSES), np.int64), "b": np.zeros(10)}, data)
+    with pytest.raises(TypeError, match=r"has dtype bfloat16; L-BFGS keeps its iterates"):
+        solver.solve({"w": jnp.zeros((FEATURES, CLASSES), jnp.bfloat16), "b": np.zeros(10)}, data)
 
 
 def test_loss_returning_a_mean_and_other_mistakes(mesh, data):

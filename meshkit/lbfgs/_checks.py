@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -68,10 +69,19 @@ def check_params(params: Any) -> None:
         raise ValueError("params is an empty pytree; pass the starting parameters.")
     for path, leaf in leaves:
         dtype = leaf_dtype(leaf)
+        name = jax.tree_util.keystr(path) or "(root)"
+        if dtype in (jnp.bfloat16, np.float16):
+            raise TypeError(
+                f"Parameter {name} has dtype {dtype}; L-BFGS keeps its iterates, curvature "
+                "pairs and line-search values in the parameters' dtype, and a 16-bit float "
+                "(8 or 11 bits of precision) is too coarse for them to converge. Pass "
+                "float32 parameters (.astype(np.float32)); loss_fn may still compute in "
+                f"{dtype} inside."
+            )
         if not np.issubdtype(dtype, np.floating):
             raise TypeError(
-                f"Parameter {jax.tree_util.keystr(path) or '(root)'} has dtype {dtype}; L-BFGS "
-                "needs floating-point parameters. Start from e.g. np.zeros(shape, np.float32)."
+                f"Parameter {name} has dtype {dtype}; L-BFGS needs float32 or float64 "
+                "parameters. Start from e.g. np.zeros(shape, np.float32)."
             )
 
 
