@@ -285,8 +285,7 @@ class PartitionRules:
                     placements.append(_apply_logical(leaf_logical, table, name, shape, mesh))
                     continue
             rule = self.default if rule is None else rule
-            itemsize = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype).itemsize
-            spec, dropped = _apply(rule, name, shape, mesh, pattern, itemsize=itemsize)
+            spec, dropped = _apply(rule, name, shape, mesh, pattern, itemsize=_itemsize(leaf))
             if pattern is None and leaf_logical is not None and not spec_axis_names(spec):
                 dropped += (
                     f"{name}: annotated {leaf_logical}, names that are neither mesh axes of "
@@ -294,6 +293,17 @@ class PartitionRules:
                 )
             placements.append(Placement(name, shape, pattern, spec, dropped))
         return placements
+
+
+def _itemsize(leaf: Any) -> int:
+    """Bytes per element of a leaf (a PRNG key array counts its key data's bytes)."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return np.asarray(leaf).dtype.itemsize
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes such as key<fry>
+        return int(getattr(dtype, "itemsize", 4) or 4)
 
 
 def _with_mesh_axes(table: LogicalTable, names: Names, mesh: Mesh) -> LogicalTable:

@@ -132,6 +132,7 @@ def test_each_member_trains_as_if_alone():
         np.testing.assert_allclose(metrics[f"member_{i}/loss"], plain_metrics["loss"], rtol=1e-5)
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_a_diverging_member_never_touches_the_others():
     layout = layout_for(4)
     batches = host_batches(3)
@@ -220,6 +221,7 @@ def numpy_reference(member_logits: list[np.ndarray], labels: np.ndarray) -> dict
     return reference
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_ensemble_metrics_equal_a_numpy_reference_from_member_outputs():
     layout = layout_for(4)
     state, _ = train_ensemble(layout, host_batches(10))

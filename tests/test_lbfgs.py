@@ -345,6 +345,7 @@ def test_one_compile_for_new_data_strengths_and_equal_solvers(mesh):
     assert len({float(s.value) for s in (a, b, c)}) == 3
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_grid_of_strengths_in_one_program(mesh, data):
     x, y = seed_like()
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)

@@ -368,7 +368,7 @@ def _is_python(pid: int) -> bool:
         return False
 
 
-SWEEP_STEPS = 20
+SWEEP_STEPS = 10
 SWEEP = [sys.executable, "-m", "recipes.sweep", "--steps", str(SWEEP_STEPS), "--no-progress"]
 
 
@@ -391,7 +391,7 @@ def test_a_sweep_as_a_job_array_merges_into_the_table_of_one_program(
     merge_line = next(block for block in blocks if "meshkit.sweep merge" in block).strip()
     merge = shlex.split(merge_line.replace("/project/$USER", str(tmp_path / "project")))
     paths = [str(path) for path in slices]  # the shell's expansion of slice_*
-    command = [sys.executable, *merge[1:3], *paths, *merge[4:]]
+    command = [sys.executable, *merge[1:4], *paths, *merge[5:]]
     merged_run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     assert merged_run.returncode == 0, merged_run.stderr[-3000:]
     assert "16 trials from 2 sweeps" in merged_run.stdout

@@ -156,6 +156,7 @@ def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 25]
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_a_resumed_run_logs_each_step_once(tmp_path):
     import shutil
 
@@ -263,6 +264,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10]
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
     """Metrics are summed on the device; each line is the mean of its steps' values."""
     mesh = meshkit.make_mesh("data=-1")
