@@ -41,9 +41,13 @@ _closing = threading.Event()
 
 
 def _client() -> Any:
-    from jax._src import distributed
+    """JAX's coordination client, or ``None`` (not initialised, or not where JAX kept it)."""
+    try:
+        from jax._src import distributed
 
-    return distributed.global_state.client
+        return distributed.global_state.client
+    except (ImportError, AttributeError):
+        return None
 
 
 def _flush() -> None:
