@@ -19,6 +19,7 @@ import errno
 import gc
 import logging
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -225,15 +226,19 @@ def disk_full(error: BaseException) -> bool:
     return False
 
 
+_quieted = threading.Event()  # the hooks below are installed once per process
+
+
 def quiet_abandoned_writes() -> None:
     """After a failed save, drops what Orbax's abandoned write tasks print as the
     interpreter shuts down (``Exception ignored in: <coroutine ... write_fragment>``,
     ``ImportError: sys.meta_path is None``, asyncio's ``Task exception was never
     retrieved``): dozens of lines after the one error that says what happened. Other
     unraisable exceptions and asyncio records are reported as before."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_meshkit_quiet", False):
+    if _quieted.is_set():
         return
+    _quieted.set()
+    previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
         where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
@@ -246,7 +251,6 @@ def quiet_abandoned_writes() -> None:
             return
         previous(unraisable)
 
-    hook._meshkit_quiet = True  # pyright: ignore[reportFunctionMemberAccess]
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_AbandonedOrbaxTasks())
 
