@@ -376,4 +376,11 @@ def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
     assert "failed: No space left on device (or the disk quota is exceeded)." in lines[-1]
     assert "Free space on that file system (or keep fewer checkpoints)" in lines[-1]
     assert "resume from step 10" in lines[-1]
-    assert len(lines) < 40, "\n".join(lines)  # 293 lines before
+    # Before: 293 lines, the summary in the middle, Orbax's traceback chained to it and
+    # its abandoned writes complaining at exit. Orbax's background threads may still
+    # print a few tracebacks ("Event loop is closed") before the error; after the
+    # error's own short traceback, nothing.
+    last = max(i for i, line in enumerate(lines) if line.startswith("Traceback"))
+    assert len(lines) - last < 25, "\n".join(lines[last:])
+    assert not any("site-packages/orbax" in line for line in lines[last:]), lines[last:]
+    assert not any("sys.meta_path is None" in line for line in lines)
