@@ -50,7 +50,8 @@ def _client() -> Any:
         return None
 
 
-def _flush() -> None:
+def flush_streams() -> None:
+    """Flushes stdout and stderr; a closed or missing stream is left alone."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
@@ -61,7 +62,7 @@ def silence() -> None:
     process that stops must not bury the real error under the runtime's reactions (a
     fatal log and C++ stack trace when the coordination service goes away, a note on
     the SIGTERM a launcher sends)."""
-    _flush()
+    flush_streams()
     with contextlib.suppress(OSError):
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)

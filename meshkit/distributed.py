@@ -21,7 +21,6 @@ a process that stops sending heartbeats is declared dead after 10 s instead of J
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -270,9 +269,8 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     """
     previous = sys.excepthook
     peers = jax.distributed.is_initialized()
-    if peers:
-        process_id = _process_id(process_id)
-    name = "This process" if process_id is None else f"Process {process_id}"
+    me = _process_id(process_id) if peers else process_id
+    name = "This process" if me is None else f"Process {me}"
 
     def hook(
         kind: type[BaseException], value: BaseException, traceback: TracebackType | None
@@ -282,7 +280,7 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
             first = None
             if peers:  # tell the others first; they stop, then this error is printed last
                 first = _peer_failure.announce(
-                    _process_id(process_id), code, _one_line(kind, value), _num_processes()
+                    me or 0, code, _one_line(kind, value), _num_processes()
                 )
             if first is not None:
                 print(
@@ -298,9 +296,7 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
                 file=sys.stderr,
             )
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()  # a closed or missing stream: nothing more can be said
+            _peer_failure.flush_streams()
             logging.shutdown()
             if peers:
                 _peer_failure.reported()
@@ -308,7 +304,7 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
 
     sys.excepthook = hook
     if peers:
-        _peer_failure.watch_peers(process_id)
+        _peer_failure.watch_peers(me)
 
 
 def initialize(

@@ -11,12 +11,12 @@ twice, every slice finished) and ranks all trials as ``SweepResult.ranked`` woul
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from meshkit._paths import PathLike, as_path
+from meshkit.sweep._results import format_table, rank_key
 
 
 def _read(path: PathLike) -> tuple[str, dict[str, Any]]:
@@ -95,19 +95,14 @@ def merge_results(paths: Sequence[PathLike]) -> dict[str, Any]:
                 )
             seen.setdefault(text, name)
             trials.append({**trial, "source": name, "_order": order})
-    sign = -1.0 if first["mode"] == "max" else 1.0
-
-    def key(trial: dict[str, Any]) -> tuple[bool, float, int, int]:
-        score = trial["score"]
-        score = math.nan if score is None else float(score)
-        return (
-            trial["status"] != "finished",
-            math.inf if math.isnan(score) else sign * score,
-            trial["_order"],
-            trial["trial"],
-        )
-
-    ranked = sorted(trials, key=key)
+    ranked = sorted(
+        trials,
+        key=lambda t: (
+            *rank_key(t["status"], t["score"], first["mode"]),
+            t["_order"],
+            t["trial"],
+        ),
+    )
     for rank, trial in enumerate(ranked, 1):
         del trial["_order"]
         trial["rank"] = rank
@@ -135,14 +130,7 @@ def merged_table(merged: dict[str, Any], limit: int | None = None) -> str:
         ]
         for t in rows
     ]
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(width) if i in (1, 3) else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in [header, *body]
-    )
+    return format_table(header, body, left=(1, 3))
 
 
 def write_merged(merged: dict[str, Any], path: PathLike) -> Path:

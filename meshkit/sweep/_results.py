@@ -17,6 +17,28 @@ from meshkit.sweep._space import Point
 from meshkit.train import TrainState
 
 
+def rank_key(status: str, score: float | None, mode: str) -> tuple[bool, float]:
+    """Where a trial ranks: finished ones first, then by score (best first; NaN last)."""
+    value = math.nan if score is None else float(score)
+    sign = -1.0 if mode == "max" else 1.0
+    return status != "finished", math.inf if math.isnan(value) else sign * value
+
+
+def format_table(
+    header: Sequence[str], body: Sequence[Sequence[str]], *, left: Sequence[int]
+) -> str:
+    """Columns as wide as their widest cell, two spaces apart; columns ``left`` are
+    left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(width) if i in left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [header, *body]
+    )
+
+
 @dataclasses.dataclass
 class Trial:
     """One point trained in one slot, from ``start`` to ``end``.
@@ -91,17 +113,7 @@ class SweepResult:
 
     def ranked(self) -> list[Trial]:
         """Trials best first: finished ones by score, then the others by score."""
-        sign = -1.0 if self.mode == "max" else 1.0
-
-        def key(trial: Trial) -> tuple[int, float, int]:
-            score = trial.score()
-            return (
-                trial.status != "finished",
-                math.inf if math.isnan(score) else sign * score,
-                trial.id,
-            )
-
-        return sorted(self.trials, key=key)
+        return sorted(self.trials, key=lambda t: (*rank_key(t.status, t.score(), self.mode), t.id))
 
     @property
     def best(self) -> Trial:
@@ -206,15 +218,7 @@ class SweepResult:
             ]
             for rank, t in enumerate(rows, 1)
         ]
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-        lines = []
-        for row in [header, *body]:
-            cells = [
-                cell.ljust(width) if i == 3 else cell.rjust(width)
-                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-            ]
-            lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
+        return format_table(header, body, left=(3,))
 
     def curves(self) -> dict[int, list[tuple[int, float]]]:
         """Each slot's training loss over the steps, read from the stages' ``metrics.jsonl``."""

@@ -19,7 +19,6 @@ the stalled process is the one named.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -119,9 +118,7 @@ class StallWatch:
                 f"{STALLED_EXIT_CODE}{'; the other processes stop too' if peers else ''}.",
                 file=sys.stderr,
             )
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        _peer_failure.flush_streams()
         if peers:
             _peer_failure.reported()
         os._exit(STALLED_EXIT_CODE)
