@@ -79,7 +79,7 @@ class Bench:
 
     def run_sweep(self, steps: int) -> dict[str, Any]:
         """The whole sweep, as ``recipes/sweep.py`` runs it."""
-        layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=8,data=1"), len(self.points))
+        layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=-1,data=1"), len(self.points))
         with tempfile.TemporaryDirectory() as workdir:
             result = sweep.run_sweep(
                 self.model,
