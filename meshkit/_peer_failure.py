@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 FAILURE_KEY = "meshkit/failure"
 STOPPED_PREFIX = "meshkit/stopped/"
@@ -95,6 +97,35 @@ def announce(process_id: int, code: int, summary: str, num_processes: int | None
             break
         time.sleep(0.05)
     return None
+
+
+def fail_job(
+    process_id: int,
+    code: int,
+    summary: str,
+    *,
+    peers: bool,
+    num_processes: int | None,
+    report: Callable[[str | None], None],
+) -> NoReturn:
+    """Ends this process as the job's failure.
+
+    With ``peers`` (a multi-process job of ``num_processes``) it tells the other
+    processes first. Then ``report`` prints; it receives the earlier failure's line, or
+    ``None`` when this failure is the first. Last, the streams and ``logging`` handlers
+    are flushed, the peers hear that the error is printed, and the process exits with
+    ``code`` without the interpreter's shutdown (whose collectives would wait for the
+    stopped peers).
+    """
+    first = announce(process_id, code, summary, num_processes) if peers else None
+    try:
+        report(first)
+    finally:
+        flush_streams()
+        logging.shutdown()
+        if peers:
+            reported()
+        os._exit(code)
 
 
 def _stop_for(process_id: int, value: str) -> None:

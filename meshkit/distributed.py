@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import logging
 import os
 import sys
 import warnings
@@ -276,12 +275,8 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
         kind: type[BaseException], value: BaseException, traceback: TracebackType | None
     ) -> None:
         code = INTERRUPTED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
-        try:
-            first = None
-            if peers:  # tell the others first; they stop, then this error is printed last
-                first = _peer_failure.announce(
-                    me or 0, code, _one_line(kind, value), _num_processes()
-                )
+
+        def report(first: str | None) -> None:
             if first is not None:
                 print(
                     f"[meshkit] {name} failed too, with {_one_line(kind, value)} "
@@ -295,12 +290,15 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
                 f"{code}{'; the other processes stop too' if peers else ''}.",
                 file=sys.stderr,
             )
-        finally:
-            _peer_failure.flush_streams()
-            logging.shutdown()
-            if peers:
-                _peer_failure.reported()
-            os._exit(code)
+
+        _peer_failure.fail_job(
+            me or 0,
+            code,
+            _one_line(kind, value),
+            peers=peers,
+            num_processes=_num_processes(),
+            report=report,
+        )
 
     sys.excepthook = hook
     if peers:

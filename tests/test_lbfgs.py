@@ -559,3 +559,64 @@ def test_recipe_smoke(tmp_path):
     assert "ratio of total times, single device / sharded" in out.stdout
     assert (tmp_path / "grad_norm.png").stat().st_size > 0
     assert (tmp_path / "step_time.png").stat().st_size > 0
+
+
+def _zakharov(x):
+    i = jnp.arange(1, x.shape[0] + 1, dtype=x.dtype)
+    weighted = jnp.sum(0.5 * i * x)
+    return jnp.sum(x**2) + weighted**2 + weighted**4
+
+
+def _steep(x):  # a quadratic of curvature 1e8 (jax-ml/jax#4594)
+    return jnp.mean((1e4 * x) ** 2)
+
+
+def _optax_iterations(fun, x0, tol):
+    """optax.lbfgs stepped in a jitted while_loop, as optax's own tests run it."""
+    import optax
+
+    opt = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(fun)
+
+    def cond(carry):
+        _, state, count = carry
+        norm = optax.tree.norm(optax.tree.get(state, "grad"))
+        return (count == 0) | ((norm >= tol) & (count < 500))
+
+    def body(carry):
+        x, state, count = carry
+        value, grad = value_and_grad(x, state=state)
+        updates, state = opt.update(grad, state, x, value=value, grad=grad, value_fn=fun)
+        return optax.apply_updates(x, updates), state, count + 1
+
+    run = jax.jit(lambda x: jax.lax.while_loop(cond, body, (x, opt.init(x), 0)))
+    return int(run(x0)[2])
+
+
+@pytest.mark.once  # one parameter vector: the same at any device count
+@pytest.mark.parametrize(
+    ("name", "fun", "start"),
+    [
+        ("zakharov", _zakharov, [600.0, 700.0, 200.0, 100.0, 90.0, 1e3]),
+        ("steep", _steep, [1.0, 1.0]),
+    ],
+)
+def test_the_peers_hard_problems_are_solved_in_as_few_iterations(name, fun, start):
+    """optax's and jaxopt's own L-BFGS tests: Zakharov from far away (a quartic term of
+    1e14) and a quadratic of curvature 1e8. Both minima are 0 at x = 0."""
+    import jaxopt
+
+    tol = 1e-5
+    mesh = meshkit.make_mesh("data=-1")
+    data = lbfgs.shard_dataset({"one": np.ones((1,), np.float32)}, mesh)
+    solver = lbfgs.LBFGS(lambda x, batch: batch["one"] * fun(x), mesh, tol=tol)
+    x0 = jnp.asarray(start, jnp.float32)
+    solution = solver.solve(x0, data)
+    assert solution.status is lbfgs.Status.GRADIENT_TOLERANCE, solution.message
+    np.testing.assert_allclose(meshkit.to_host(solution.params), 0.0, atol=1e-5)
+    assert float(solution.value) <= 1e-5
+    peers = {
+        "optax": _optax_iterations(fun, x0, tol),
+        "jaxopt": int(jax.jit(jaxopt.LBFGS(fun=fun, tol=tol, maxiter=500).run)(x0).state.iter_num),
+    }
+    assert int(solution.iterations) <= max(peers.values()), (int(solution.iterations), peers)

@@ -330,3 +330,37 @@ def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
         )  # fmt: skip
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1 step, got 0"):
         train.Dispatch(max_in_flight=0)
+
+
+def test_a_label_outside_the_classes_is_named_with_its_row_and_example(tmp_path):
+    """A source that does not know its class count lets label 12 through to a 10-class
+    model: the step's loss is NaN, and fit's error names the label and where it is."""
+    digits = data.digits("train")
+    arrays = {key: np.array(value) for key, value in digits.arrays.items()}
+    mesh = meshkit.make_mesh("data=-1")
+    probe = data.TrainPipeline(
+        data.ArraySource(arrays), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
+    )
+    index = int(probe.global_indices(2)[5])  # read by the third step, at row 5
+    arrays["label"][index] = 12
+    state, step, _ = setup(mesh)
+    pipeline = data.TrainPipeline(
+        data.ArraySource(arrays), global_batch_size=BATCH, sharding=meshkit.batch_sharding(mesh)
+    )
+    with pytest.raises(train.NonFiniteLossError) as info:
+        train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=4,
+            workdir=tmp_path,
+            logging=train.Logging(progress=False),
+        )
+    message = str(info.value)
+    assert message.startswith("Training stopped at step 3:"), message
+    assert (
+        "The batch of that step holds labels outside [0, 10), the model's classes: 1 of "
+        f"this process's {BATCH} rows. The first is label 12 at row 5 of the global batch, "
+        f"source index {index} of ArraySource." in message
+    ), message
+    assert "Lower the learning rate" not in message

@@ -207,9 +207,17 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
     direction = jax.tree.map(lambda d, g: jnp.where(descent, d, -g), direction, state.grad)
     num_pairs = jnp.where(descent, state.num_pairs, 0)
     grad_norm = optax.tree.norm(state.grad)
-    # With pairs, the scaled quasi-Newton step has unit length; without, try a step of
-    # unit length in parameter space.
-    initial_step = jnp.where(num_pairs > 0, 1.0, 1.0 / grad_norm).astype(state.value.dtype)
+    # With pairs, the scaled quasi-Newton step has unit length. Without (the first
+    # iteration), try a step of unit length in parameter space; after forgetting the
+    # pairs, the newest pair's curvature scale (the history's own first guess).
+    newest_scale = (
+        state.sy_products[state.newest, state.newest]
+        / state.yy_products[state.newest, state.newest]
+    )
+    usable_scale = (state.num_pairs > 0) & jnp.isfinite(newest_scale) & (newest_scale > 0)
+    initial_step = jnp.where(
+        num_pairs > 0, 1.0, jnp.where(usable_scale, newest_scale, 1.0 / grad_norm)
+    ).astype(state.value.dtype)
     search = zoom_linesearch(
         value_and_grad,
         params=state.params,
@@ -234,7 +242,11 @@ def step(value_and_grad: ValueAndGrad, state: LBFGSState, options: Options) -> L
     # products' part also orders the reads of the old history before the in-place
     # write of the new row, so XLA need not copy the history every iteration.
     finite = jnp.isfinite(jnp.sum(s_y) + jnp.sum(y_s) + jnp.sum(y_y))
-    keep = search.found & (sy > jnp.finfo(state.value.dtype).eps * yy) & finite
+    # Positive curvature, judged by the angle between s and y (scale-free): a steep
+    # objective's pairs have a tiny sᵀy/yᵀy and are still good ones.
+    ss = jnp.asarray(optax.tree.vdot(s, s))
+    curved = sy > jnp.finfo(state.value.dtype).eps * jnp.sqrt(ss) * jnp.sqrt(yy)
+    keep = search.found & curved & finite
     sy_products = state.sy_products.at[:, slot].set(s_y).at[slot, :].set(y_s)
     yy_products = state.yy_products.at[:, slot].set(y_y).at[slot, :].set(y_y)
     iteration = state.iteration + search.found.astype(jnp.int32)

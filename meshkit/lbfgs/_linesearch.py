@@ -76,9 +76,12 @@ def _zoom_trial(lo: _Point, hi: _Point, ulps: jax.Array) -> jax.Array:
     cubic, cubic_ok = cubic_minimizer(lo, hi)
     secant, secant_ok = secant_minimizer(lo, hi)
     guess, valid = jnp.where(flat, secant, cubic), jnp.where(flat, secant_ok, cubic_ok)
-    inside = (guess >= left + MIN_SHRINK * width) & (guess <= right - MIN_SHRINK * width)
-    usable = valid & inside & jnp.isfinite(hi.value) & jnp.isfinite(hi.slope)
-    return jnp.where(usable, guess, 0.5 * (left + right))
+    # A model minimiser too close to an end is moved in to the safeguard, not replaced
+    # by the midpoint: when the minimiser lies orders of magnitude inside the bracket
+    # (a first step far too long), each trial still shrinks it tenfold, not twofold.
+    guarded = jnp.clip(guess, left + MIN_SHRINK * width, right - MIN_SHRINK * width)
+    usable = valid & jnp.isfinite(hi.value) & jnp.isfinite(hi.slope)
+    return jnp.where(usable, guarded, 0.5 * (left + right))
 
 
 def _extrapolate(previous: _Point, current: _Point, ulps: jax.Array) -> jax.Array:
@@ -178,7 +181,9 @@ def zoom_linesearch(
         any_finite=jnp.asarray(False),
     )
     end = jax.lax.while_loop(cond, body, start)
-    found = end.lo.step > 0
+    # Unaccepted, the best point counts only with a real decrease: one within a few
+    # ulps of the start (a level point) may be uphill along a wrong gradient.
+    found = (end.lo.step > 0) & (end.done | (end.lo.value < value))
     return LineSearchResult(
         step=end.lo.step,
         params=_choose(found, _along(params, end.lo.step, direction), params),

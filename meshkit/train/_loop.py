@@ -24,6 +24,7 @@ from meshkit.train._checkpoint import Checkpointer
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval, MetricSums
+from meshkit.train._label_diagnosis import labels_outside_classes
 from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
@@ -460,9 +461,17 @@ class _Loop:
             assert self._sums is not None
             read = self._sums.read(queued.interval, queued.step)
             values = self.records.interval(
-                read, paused=self._paused, input_wait=self.batches.wait_seconds
+                read,
+                paused=self._paused,
+                input_wait=self.batches.wait_seconds,
+                diagnose=self._diagnose,
             )
             self._call_hooks("log", queued.step, values)
+
+    def _diagnose(self, step: int) -> str | None:
+        """The cause of step ``step``'s non-finite loss, when a label explains it (the
+        step read the batch of data step ``step - 1``)."""
+        return labels_outside_classes(self.state, self.batches.pipeline, step - 1)
 
     def evaluate(self, step: int) -> None:
         assert self.evaluation is not None

@@ -58,14 +58,23 @@ class Records:
         for writer in self.writers:
             writer.start(step)
 
-    def interval(self, read: IntervalRead, *, paused: float, input_wait: float) -> dict[str, Any]:
+    def interval(
+        self,
+        read: IntervalRead,
+        *,
+        paused: float,
+        input_wait: float,
+        diagnose: Callable[[int], str | None] | None = None,
+    ) -> dict[str, Any]:
         """Checks an interval for non-finite steps, then records and returns its values.
 
         ``paused`` and ``input_wait`` are this run's evaluation and checkpoint seconds
-        and input-wait seconds so far.
+        and input-wait seconds so far. ``diagnose(step)``, called only when a step was
+        not finite, may name its cause (a sentence) in place of the general advice.
         """
         if read.first_bad_step is not None:
-            raise self._non_finite(read)
+            cause = diagnose(read.first_bad_step) if diagnose is not None else None
+            raise self._non_finite(read, cause)
         self._check_skipped(read)
         values = dict(read.means)
         if self.learning_rate is not None:
@@ -85,7 +94,7 @@ class Records:
         self.write(read.last, values)
         return values
 
-    def _non_finite(self, read: IntervalRead) -> NonFiniteLossError:
+    def _non_finite(self, read: IntervalRead, cause: str | None) -> NonFiniteLossError:
         latest = self.checkpointer.latest_step()
         kept = (
             f"The newest checkpoint, step {latest} in {self.checkpointer.directory}, "
@@ -95,13 +104,15 @@ class Records:
             else "No checkpoint was saved before it"
         )
         watched = {name: read.means[name] for name in WATCHED if name in read.means}
+        advice = cause or (
+            "Lower the learning rate, check the data for NaNs, check that labels lie in "
+            "[0, classes) and token ids in [0, vocabulary) (meshkit's losses and "
+            "Transformer give NaN for any other), or add gradient clipping."
+        )
         return NonFiniteLossError(
             f"Training stopped at step {read.first_bad_step}: the loss or gradient norm "
             f"was not finite (means over steps {read.first}-{read.last}: {watched}). "
-            f"{kept}; no state from step {read.first_bad_step} on was saved. Lower the "
-            "learning rate, check the data for NaNs, check that labels lie in [0, "
-            "classes) and token ids in [0, vocabulary) (meshkit's losses and Transformer "
-            "give NaN for any other), or add gradient clipping."
+            f"{kept}; no state from step {read.first_bad_step} on was saved. {advice}"
         )
 
     def _check_skipped(self, read: IntervalRead) -> None:

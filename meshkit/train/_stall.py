@@ -103,10 +103,10 @@ class StallWatch:
         peers = jax.distributed.is_initialized() and jax.process_count() > 1
         process = jax.process_index()
         summary = f"StallError: no progress for {waited:.0f} s at step {step}, {_WAITS[wait]}"
-        first = None
-        if peers:
-            first = _peer_failure.announce(process, STALLED_EXIT_CODE, summary, jax.process_count())
-        if first is None:
+
+        def report(first: str | None) -> None:
+            if first is not None:
+                return  # a peer failed first; it prints the job's error
             frame = sys._current_frames().get(self._main or -1)  # pyright: ignore[reportPrivateUsage]
             if frame is not None:
                 print("Where the main thread waits (most recent call last):", file=sys.stderr)
@@ -118,7 +118,12 @@ class StallWatch:
                 f"{STALLED_EXIT_CODE}{'; the other processes stop too' if peers else ''}.",
                 file=sys.stderr,
             )
-        _peer_failure.flush_streams()
-        if peers:
-            _peer_failure.reported()
-        os._exit(STALLED_EXIT_CODE)
+
+        _peer_failure.fail_job(
+            process,
+            STALLED_EXIT_CODE,
+            summary,
+            peers=peers,
+            num_processes=jax.process_count(),
+            report=report,
+        )

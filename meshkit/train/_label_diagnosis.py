@@ -1,0 +1,77 @@
+"""Why a step's loss was not finite, when the reason is a label: found after the fact.
+
+meshkit's losses give a NaN for a label that is no class, so a bad label costs the
+step nothing to detect: ``fit`` stops on the non-finite loss. Sources check their
+labels as they read them when they know the class count, but a source that does not
+(no ``num_classes``), or a transform that maps labels out of range after the check,
+lets such a label through. When ``fit`` stops, it reads that step's batch again (the
+pipeline is deterministic) and looks for labels outside the model's classes, so the
+error can name the label, its row and the example it came from. Nothing of this runs
+while training goes well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshkit.data._labels import LABEL_FIELD
+
+IMAGE_FIELD = "image"
+
+
+def labels_outside_classes(state: Any, pipeline: Any, data_step: int) -> str | None:
+    """A sentence naming the first label of ``data_step``'s batch (this process's rows)
+    that is no class of the model, or ``None`` when every label is one (or the batch
+    has no integer ``label`` field, or the check cannot tell)."""
+    with contextlib.suppress(Exception):  # a diagnosis must never hide the real error
+        return _diagnose(state, pipeline, data_step)
+    return None
+
+
+def _diagnose(state: Any, pipeline: Any, data_step: int) -> str | None:
+    batch = pipeline.local_batch(data_step)
+    if not isinstance(batch, dict) or LABEL_FIELD not in batch:
+        return None
+    labels = np.asarray(batch[LABEL_FIELD])
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or not labels.size:
+        return None
+    classes = _model_classes(state, batch.get(IMAGE_FIELD))
+    bad = labels < 0
+    if classes is not None:
+        bad |= labels >= classes
+    ignore = getattr(pipeline.source, "ignore_label", None)
+    if ignore is not None:
+        bad &= labels != ignore
+    if not bad.any():
+        return None
+    row = int(np.argmax(bad))
+    shard = pipeline.shard
+    _, global_position, index = pipeline._locate(data_step * shard.size + row)  # pyright: ignore[reportPrivateUsage]
+    locate = getattr(pipeline.source, "locate", None)
+    stored = f": {locate(index)}" if callable(locate) else ""
+    within = global_position % pipeline.global_batch_size
+    expected = f"[0, {classes}), the model's classes" if classes is not None else "[0, classes)"
+    return (
+        f"The batch of that step holds labels outside {expected}: {int(bad.sum())} of "
+        f"this process's {labels.size} rows. The first is label {int(labels[row])} at row "
+        f"{within} of the global batch, source index {index} of "
+        f"{type(pipeline.source).__name__}{stored}. Fix that label (or the transform that "
+        "makes it), or give the source num_classes= so labels are checked as they are read."
+    )
+
+
+def _model_classes(state: Any, images: Any) -> int | None:
+    """The width of the model's output on one example: its class count (abstract: no
+    compile, no device work)."""
+    if images is None or not hasattr(state, "apply_fn"):
+        return None
+    from meshkit.train._step import apply_model
+
+    one = jax.ShapeDtypeStruct((1, *np.shape(images)[1:]), np.asarray(images).dtype)
+    logits, _ = jax.eval_shape(apply_model, state, one)
+    shape = getattr(logits, "shape", ())
+    return int(shape[-1]) if len(shape) == 2 else None
