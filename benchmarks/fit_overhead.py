@@ -171,15 +171,30 @@ def placement(mesh, *, image_size: Literal[8, 28], batch: int, calls: int = 300)
     return report(title, timings, baseline="jax.device_put", unit="batch")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn", help="which cases: mlp, cnn or both")
+    models = parser.parse_args(argv).models.split(",")
     one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
     meshes = [one, meshkit.make_mesh("data=-1")] if ON_CPU and jax.device_count() > 1 else [one]
     results = []
     for mesh in meshes:
         steps = 4000 if not ON_CPU else (1000 if mesh.size == 1 else 300)
-        results.append(
-            case("tiny MLP, 8x8 digits", TinyMLP(), image_size=8, batch=64, mesh=mesh, steps=steps)
-        )
+        if "mlp" in models:
+            results.append(
+                case(
+                    "tiny MLP, 8x8 digits",
+                    TinyMLP(),
+                    image_size=8,
+                    batch=64,
+                    mesh=mesh,
+                    steps=steps,
+                )
+            )
+        if "cnn" not in models:
+            continue
         steps = 2000 if not ON_CPU else (40 if mesh.size == 1 else 20)
         results.append(
             case(

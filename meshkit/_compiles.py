@@ -33,7 +33,11 @@ class CompileLog:
 
 @contextlib.contextmanager
 def count_compiles() -> Iterator[CompileLog]:
-    """Records every XLA backend compilation in the block (a cache hit is not one).
+    """Records every XLA backend compilation in the block.
+
+    A call that finds its program in the jitted function's own cache is not one; a
+    program loaded from JAX's persistent compilation cache
+    (``jax_compilation_cache_dir``) is, as it stands in for a compilation.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -15,6 +15,8 @@ import pytest
 from meshkit.testing import set_cpu_devices
 
 DEVICES = int(os.environ.get("MESHKIT_TEST_DEVICES", "8"))
+PASSES = (1, 8)
+"""The device counts ``nox -s tests`` runs the suite at."""
 
 jax.config.update("jax_platforms", "cpu")
 set_cpu_devices(DEVICES)
@@ -33,14 +35,21 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "once: the result does not depend on the device count; runs in the 8-device pass "
-        "only (``nox -s tests`` runs the suite at 1 and at 8)",
+        "once(n=None): the result does not depend on the device count; runs in one pass "
+        "only: the n-device one, else the 1-device one (usually the cheapest), or the "
+        "8-device one when it also needs devices(n) (``nox -s tests`` runs the suite at 1 "
+        "and at 8)",
     )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marker = item.get_closest_marker("devices")
-    if marker is not None and jax.device_count() < marker.args[0]:
-        pytest.skip(f"needs {marker.args[0]} devices, have {jax.device_count()}")
-    if item.get_closest_marker("once") is not None and jax.device_count() < 8:
-        pytest.skip("device-count independent: runs in the 8-device pass")
+    needs = 1 if marker is None else marker.args[0]
+    if jax.device_count() < needs:
+        pytest.skip(f"needs {needs} devices, have {jax.device_count()}")
+    once = item.get_closest_marker("once")
+    if once is not None:
+        # once(n) names the pass; plain once takes the cheapest pass that can run it
+        home = once.args[0] if once.args else 1 if needs <= 1 else PASSES[-1]
+        if jax.device_count() != home:
+            pytest.skip(f"device-count independent: runs in the {home}-device pass")

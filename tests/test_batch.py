@@ -167,3 +167,26 @@ def test_bounded_sizes_separate_wrong_types_from_bad_values(value, error, messag
     with pytest.raises(error, match=message):
         train.InFlight(value)
     assert train.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]
+
+
+def test_both_one_device_placements_give_the_same_arrays():
+    """On one device a batch is placed by an identity jit (CPU) or jax.device_put
+    (accelerators): the same values, dtypes and sharding either way."""
+    from meshkit import _batch
+
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=1", devices=jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    batch = {
+        "image": rng.normal(size=(16, 8, 8, 1)).astype(np.float32),
+        "label": rng.integers(0, 10, size=16).astype(np.int32),
+    }
+    by_jit = _batch._one_device_put(sharding)(batch)
+    by_put = jax.device_put(batch, sharding)
+    for key, value in batch.items():
+        assert by_jit[key].sharding.is_equivalent_to(by_put[key].sharding, value.ndim)
+        assert by_jit[key].dtype == by_put[key].dtype == value.dtype
+        np.testing.assert_array_equal(np.asarray(by_jit[key]), np.asarray(by_put[key]))
+    assert _batch._identity_jit_places_faster(sharding) == (jax.devices()[0].platform == "cpu")
+    if jax.device_count() > 1:
+        several = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+        assert not _batch._identity_jit_places_faster(several)

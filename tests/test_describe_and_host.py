@@ -1,6 +1,10 @@
-"""describe, replicate and to_host on one process."""
+"""describe, replicate and to_host on one process; counting compilations."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +96,36 @@ def test_replicate_copies_a_device_array_so_a_donating_step_cannot_delete_it():
     donating = jax.jit(lambda x: x + 1, donate_argnums=0)
     assert donating(placed).tolist() == [1.0, 2.0, 3.0, 4.0]
     assert not original.is_deleted() and original.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.once  # one process of its own per run; no device count involved
+def test_a_program_loaded_from_the_persistent_cache_counts_as_a_compilation(tmp_path):
+    """With JAX's persistent compilation cache, a second process loads the program a
+    first one compiled: count_compiles counts it all the same (the test suite itself
+    runs with that cache)."""
+    script = (
+        "import jax, jax.numpy as jnp, meshkit\n"
+        "hits = []\n"
+        "jax.monitoring.register_event_listener(\n"
+        "    lambda event, **_: hits.append(event) if event.endswith('cache_hits') else None)\n"
+        "def doubled_sum(x):\n"
+        "    return 2 * jnp.sum(x)\n"
+        "with meshkit.count_compiles() as log:\n"
+        "    jax.jit(doubled_sum)(jnp.ones(5))\n"
+        "print(log.count('doubled_sum'), len(hits))\n"
+    )
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    counts = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        counts.append(tuple(int(word) for word in out.stdout.split()[-2:]))
+    (first, first_hits), (second, second_hits) = counts
+    assert first_hits == 0 and second_hits >= 1  # compiled, then loaded from the cache
+    assert first == second == 1  # one compilation each

@@ -16,7 +16,7 @@ from meshkit.ensemble._strategy import resolve_strategy
 from meshkit.models import NormCNN
 
 # vmap and loop agree; the 8-device pass has several members per device too
-pytestmark = pytest.mark.once
+pytestmark = pytest.mark.once(8)  # members spread over 8 devices: cheaper there than on 1
 
 BATCH = 32
 STEPS = 3

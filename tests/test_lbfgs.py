@@ -541,7 +541,7 @@ def test_data_from_another_mesh(data):
         make_solver(half).solve(np.zeros((FEATURES, CLASSES), np.float32), data)
 
 
-@pytest.mark.multiprocess  # runs once: the recipe picks its own 8 devices
+@pytest.mark.once  # the recipe picks its own 8 devices
 def test_recipe_smoke(tmp_path):
     """The recipe end to end on a small problem, in a process of its own (it initialises JAX)."""
     import json

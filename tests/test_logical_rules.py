@@ -87,6 +87,7 @@ def lowered_step(state, mesh):
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # a mesh of 4 × 2
 def test_a_regex_wins_then_the_logical_names_then_the_default():
     mesh = meshkit.make_mesh("data=4,model=2")
     tree = {"a": abstract(64, 32), "b": abstract(64, 32), "c": abstract(64, 32)}
@@ -105,6 +106,7 @@ def test_a_regex_wins_then_the_logical_names_then_the_default():
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # a mesh of 4 × 2
 def test_dict_and_maxtext_pairs_agree_and_a_repeated_name_takes_a_free_axis():
     mesh = meshkit.make_mesh("data=4,model=2")
     tree = {"w": abstract(8, 16), "x": abstract(8, 16)}
@@ -131,6 +133,7 @@ def test_dict_and_maxtext_pairs_agree_and_a_repeated_name_takes_a_free_axis():
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # a mesh of 4 × 2
 def test_an_unknown_logical_name_says_which_leaf_and_how_to_fix_it():
     mesh = meshkit.make_mesh("data=4,model=2")
     rules = PartitionRules(logical={"embed": "data"})
@@ -149,6 +152,7 @@ def test_an_unknown_logical_name_says_which_leaf_and_how_to_fix_it():
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # a mesh of 4 × 2
 def test_a_mesh_axis_that_does_not_divide_is_reported(caplog):
     mesh = meshkit.make_mesh("data=4,model=2")
     tree = {"table": abstract(7, 16)}
@@ -160,6 +164,7 @@ def test_a_mesh_axis_that_does_not_divide_is_reported(caplog):
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # a mesh of 4 × 2
 def test_linen_boxes_and_nnx_metadata_are_read():
     module = MLP()
     boxed = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 8)))

@@ -303,7 +303,7 @@ def test_every_process_plans_the_same_layout_and_trains_like_one() -> None:
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
-@pytest.mark.multiprocess  # runs once: the recipe starts its own 64 fake devices
+@pytest.mark.once  # the recipe starts its own 64 fake devices
 def test_the_recipe_prints_a_ranked_plan_and_writes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     argv = ["--targets", "h100x64", "--remat", "nothing_saveable", "--length", "128",
             "--batch-size", "64", "--workdir", str(tmp_path)]  # fmt: skip

@@ -147,6 +147,7 @@ def test_an_unbound_axis_name_says_how_to_fix_it() -> None:
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # some of its cases need several devices
 def test_per_device_refuses_what_it_cannot_run() -> None:
     mesh = meshkit.make_mesh("data=-1")
     model = per_device(linen_model(NamedNorm(), sample()), mesh, axis_name="batch")

@@ -20,7 +20,7 @@ def run_recipe(*args: str) -> str:
     return out.stdout
 
 
-@pytest.mark.multiprocess  # runs once: the recipe picks its own 8 devices
+@pytest.mark.once  # the recipe picks its own 8 devices
 def test_sharding_demo_matches_one_device_loss():
     stdout = run_recipe("recipes.sharding_demo")
     match = re.search(r"loss on 8 devices: (\d+\.\d+)  \(1 device: (\d+\.\d+)\)", stdout)
@@ -37,7 +37,7 @@ def test_sharding_demo_on_two_processes(tmp_path):
     assert "loss on" not in (tmp_path / "process_1.log").read_text()
 
 
-@pytest.mark.multiprocess  # runs once: it is the README's main command
+@pytest.mark.once  # the README's main command; it picks its own devices
 def test_data_parallel_learns_the_digits(tmp_path):
     # A third of the default run; the default 200 steps reach 0.98 (nox -s first_hour).
     stdout = run_recipe(
@@ -49,7 +49,7 @@ def test_data_parallel_learns_the_digits(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
-@pytest.mark.multiprocess  # runs once
+@pytest.mark.once  # the recipe picks its own devices
 def test_data_parallel_bf16_micro_batches_and_tensorboard_learn(tmp_path):
     stdout = run_recipe(
         "recipes.data_parallel",
@@ -67,7 +67,7 @@ def test_data_parallel_bf16_micro_batches_and_tensorboard_learn(tmp_path):
     assert len(events) == 1 and events[0].stat().st_size > 1000
 
 
-@pytest.mark.multiprocess  # runs once
+@pytest.mark.once  # the recipe picks its own devices
 @pytest.mark.parametrize(
     ("dataset", "model", "write"),
     [

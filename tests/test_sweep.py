@@ -464,6 +464,7 @@ def test_bad_spaces_are_explained(make, error, message):
 
 
 @pytest.mark.once
+@pytest.mark.devices(8)  # some of its cases need several devices
 def test_bad_sweeps_are_explained(tmp_path: Path):
     layout = layout_for(2)
     model = tiny_model()

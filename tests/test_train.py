@@ -332,6 +332,7 @@ def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
         train.Dispatch(max_in_flight=0)
 
 
+@pytest.mark.once  # the same at any device count: the 8-device pass runs it
 def test_a_label_outside_the_classes_is_named_with_its_row_and_example(tmp_path):
     """A source that does not know its class count lets label 12 through to a 10-class
     model: the step's loss is NaN, and fit's error names the label and where it is."""

@@ -153,7 +153,7 @@ def test_two_processes_train_like_one():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.multiprocess  # runs once: the recipe picks its own 8 devices
+@pytest.mark.once  # the recipe picks its own 8 devices
 def test_recipe_learns_in_a_third_of_its_steps(tmp_path):
     out = subprocess.run(
         [
