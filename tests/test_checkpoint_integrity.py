@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -384,3 +385,60 @@ def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
     assert len(lines) - last < 25, "\n".join(lines[last:])
     assert not any("site-packages/orbax" in line for line in lines[last:]), lines[last:]
     assert not any("sys.meta_path is None" in line for line in lines)
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_on_two_processes_ends_the_job_on_that_one_line(tmp_path: Path):
+    # The same full disk, shared by 2 processes × 2 devices under meshkit.launch: the
+    # process that finds it says so last, and the other one stops with one line.
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_THE_DISK.replace("initialize(cpu_devices=2)", "initialize()"))
+    command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "120"]
+    try:
+        run = subprocess.run(
+            [*command, "--", sys.executable, str(script), str(disk / "run")],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    lines = [
+        line for line in (run.stdout + run.stderr).strip().splitlines() if "[Gloo]" not in line
+    ]
+    assert run.returncode == 1, lines[-30:]
+    last = re.match(
+        r"\[(\d)\] \[meshkit\] Process (\d) failed with CheckpointSaveError: Saving the "
+        r"checkpoint of step 20 in .*No space left on device",
+        lines[-1],
+    )
+    assert last is not None and last.group(1) == last.group(2), lines[-30:]
+    failed = int(last.group(1))
+    other = 1 - failed
+    assert any(
+        (
+            line.startswith(f"[{other}] [meshkit] Process {other} ")
+            and f"process {failed} failed with CheckpointSaveError" in line
+        )
+        or line.startswith(f"[{other}] [meshkit] Process {other} failed too")
+        for line in lines
+    ), lines[-30:]
+    tail = lines[max(i for i, line in enumerate(lines) if "Traceback" in line) :]
+    assert not any("site-packages/orbax" in line for line in tail), tail
+    assert "Terminating process" not in run.stdout + run.stderr

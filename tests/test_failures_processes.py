@@ -128,6 +128,10 @@ def test_a_raise_on_process_1_ends_the_job_without_the_launchers_help(tmp_path: 
     assert code == 1, out[-3000:]
     assert seconds < 15, out[-3000:]
     assert "[1] RuntimeError: a corrupt record on process 1" in out
+    # The traceback says which example the transform was reading, as in one process.
+    assert re.search(
+        r"\[1\] \[meshkit\] while the transform function read source index \d+ of ArraySource", out
+    ), out[-3000:]
     assert "[0] [meshkit] Process 0 stopping: process 1 failed with RuntimeError" in out
     lines = [line for line in out.splitlines() if "[Gloo]" not in line]
     assert lines[-1] == (
