@@ -2,13 +2,14 @@
 
     python -m benchmarks data_parallel_step        # or: nox -s bench
 
-Three candidates take the same host batch (512 images of 32×32×3, the wiki's default
+Four candidates take the same host batch (512 images of 32×32×3, the wiki's default
 batch size) and run one SGD step of the wiki's net on 8 fake CPU devices, blocking on
-the loss as the wiki's program does when it prints it, interleaved A B C A B C:
+the loss as the wiki's program does when it prints it, interleaved A B C D A B C D:
 
 - the wiki's ``train_step``, ported with the smallest change; pmap stays pmap;
 - a hand-written ``jax.jit`` step with the same shardings (no meshkit);
-- meshkit's ``make_train_step`` (which also computes accuracy and the gradient norm).
+- meshkit's ``make_train_step`` (which also computes accuracy and the gradient norm);
+- the same with ``reduction="ordered"`` (gradients gathered and added in device order).
 
 Then a whole ``fit`` run counts the train step's compilations.
 """
@@ -150,10 +151,29 @@ def main() -> None:
         mk_state, metrics = mk_step(mk_state, batch)
         float(metrics["loss"])
 
+    # The same step with the devices' gradients gathered and added in device order
+    # (reduction="ordered": the same bits on any process layout), from the same state.
+    ordered_state = train.create_train_state(
+        train.linen_model(model, jnp.ones([1, 32, 32, 3])), optax.sgd(0.1), mesh, seed=42
+    )
+    ordered_step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(ordered_state),
+        batch_sharding,
+        reduction="ordered",
+    )
+
+    def run_ordered():
+        nonlocal ordered_state
+        batch = meshkit.shard_batch(host_batch, batch_sharding, global_batch_size=BATCH)
+        ordered_state, metrics = ordered_step(ordered_state, batch)
+        float(metrics["loss"])
+
     candidates = {
         "wiki pmap + pmean": run_pmap,
         "hand-written jax.jit": run_hand_written,
         "meshkit make_train_step": run_meshkit,
+        "meshkit, reduction='ordered'": run_ordered,
     }
     timings = interleave(candidates, rounds=ROUNDS)
     result = report(
@@ -162,7 +182,8 @@ def main() -> None:
         timings,
         baseline="wiki pmap + pmean",
     )
-    base, hand, mine = (timings[name] for name in candidates)
+    base, hand, mine, ordered = (timings[name] for name in candidates)
+    result["ratio_of_totals_ordered_over_all_reduce"] = ordered.total / mine.total
     result["median_ratio_meshkit_over_pmap"] = mine.median / base.median
     result["median_ratio_meshkit_over_hand_written"] = mine.median / hand.median
     result["whole_run"] = whole_run_compiles(mesh)
@@ -170,6 +191,8 @@ def main() -> None:
         f"\nmedian step time meshkit / pmap: {result['median_ratio_meshkit_over_pmap']:.3f}"
         f"\nmedian step time meshkit / hand-written jit: "
         f"{result['median_ratio_meshkit_over_hand_written']:.3f}"
+        f"\nordered reduction / all-reduce (ratio of totals): "
+        f"{result['ratio_of_totals_ordered_over_all_reduce']:.3f}"
         f"\nwhole run ({result['whole_run']['epochs']} epochs of digits, "
         f"{result['whole_run']['steps']} steps): "
         f"{result['whole_run']['train_step_compiles']} compile(s) of the train step, "

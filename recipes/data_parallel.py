@@ -18,6 +18,7 @@ Other runs::
     python -m recipes.data_parallel --dataset mnist --data-dir ~/mnist --steps 2000
     python -m recipes.data_parallel --mesh data=4,model=2 --rules fsdp
     python -m recipes.data_parallel --precision bf16 --microbatches 4 --tensorboard
+    python -m recipes.data_parallel --reduction ordered   # the same bits on any layout
     python -m recipes.data_parallel --lr-schedule cosine --warmup-steps 20 --profile-steps 50,5
 
 The bfloat16 run with 4 micro-batches also reaches a test accuracy above 0.95; its
@@ -61,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, help="folder with MNIST IDX or CIFAR-10 files")
     parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
     parser.add_argument("--rules", choices=["replicated", "fsdp"], default="replicated")
+    parser.add_argument(
+        "--reduction",
+        choices=["all_reduce", "ordered"],
+        default="all_reduce",
+        help="ordered: gradients added in device order, the same bits on 1 x 8 and 2 x 4",
+    )
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--learning-rate", type=float, default=0.05)
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         train.state_shardings_of(state),
         batch_sharding,
         microbatches=args.microbatches,
+        reduction=args.reduction,
     )
     train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": args.dataset,
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
-        "hyperparameters": hyperparameters(args, "rules"),
+        "hyperparameters": hyperparameters(args, "rules", "reduction"),
         **run_summary(result),
         "test_accuracy": result.eval_metrics.get("accuracy"),
         "test_loss": result.eval_metrics.get("loss"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,7 +187,6 @@ def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
 
 
 def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
-    import flax.linen as nn
 
     class Linear(nn.Module):
         @nn.compact
@@ -365,3 +365,44 @@ def test_a_label_outside_the_classes_is_named_with_its_row_and_example(tmp_path)
         f"source index {index} of ArraySource." in message
     ), message
     assert "Lower the learning rate" not in message
+
+
+class _Flat(nn.Module):
+    """No batch statistics, no dropout: both reductions compute the same sums."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
+
+
+@pytest.mark.devices(8)
+def test_the_ordered_reduction_takes_the_same_steps_as_the_all_reduce():
+    mesh = meshkit.make_mesh("data=-1")
+    model = train.linen_model(_Flat(), jnp.zeros((1, 8, 8, 1)))
+    params = {}
+    for reduction in ("all_reduce", "ordered"):
+        state, _, pipeline = setup(mesh, model=model)
+        step = train.make_train_step(
+            train.classification_loss,
+            train.state_shardings_of(state),
+            meshkit.batch_sharding(mesh),
+            reduction=reduction,
+        )
+        with data.GlobalBatchIterator(pipeline) as batches:
+            for _ in range(5):
+                state, _ = step(state, next(batches))
+        params[reduction] = jax.tree.leaves(meshkit.to_host(state.params))
+    for a, b in zip(params["all_reduce"], params["ordered"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.devices(8)
+def test_the_ordered_reduction_refuses_sharded_parameters_and_unknown_names():
+    mesh = meshkit.make_mesh("data=-1")
+    state, _, _ = setup(mesh, rules=meshkit.PartitionRules.fsdp("data", min_size=1024))
+    sharding = meshkit.batch_sharding(mesh)
+    shardings = train.state_shardings_of(state)
+    with pytest.raises(ValueError, match=r'reduction="ordered" gathers .* these are sharded: '):
+        train.make_train_step(train.classification_loss, shardings, sharding, reduction="ordered")
+    with pytest.raises(ValueError, match=r"reduction='sorted' is not one of"):
+        train.make_train_step(train.classification_loss, shardings, sharding, reduction="sorted")  # pyright: ignore[reportArgumentType]

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshkit._batch import leading_dim_shards
 from meshkit._checks import check_int
+from meshkit._specs import spec_axis_names
 from meshkit._types import Batch, Metrics
 from meshkit.train._state import TrainState
 
@@ -104,6 +105,75 @@ def gradients(
         unroll = unrolls_microbatches(next(iter(devices)).platform)
     parts = _split_batch(batch, microbatches, batch_sharding)
     return _accumulated(loss_fn, state, parts, rng, unroll=unroll)
+
+
+def ordered_gradients(
+    loss_fn: Callable[[Any, TrainState, Batch, jax.Array], tuple[jax.Array, Any]],
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    batch_sharding: NamedSharding,
+    microbatches: int = 1,
+    unroll: bool | None = None,
+) -> Gradients:
+    """``gradients``, with the sum over devices in a fixed order: the same bits on any
+    process layout of the mesh.
+
+    The default step leaves the sum of the devices' gradients to the compiler's
+    all-reduce, whose order of additions depends on the runtime (one process's
+    devices, or several processes over the network), so 1 process × 8 devices and
+    2 × 4 agree only to rounding. Here each device differentiates the loss on its own
+    rows (a ``shard_map`` over the batch's data axes, so each device runs the ordinary
+    single-device program), the results are gathered on every device (an all-gather
+    only copies) and every device adds them in shard order: the same program whatever
+    the layout. The cost: every device receives and holds all ``D`` gradients (``D``
+    = the batch's data shards) instead of their all-reduced sum.
+
+    Two things differ from the default step, by design: the loss function sees one
+    device's rows at a time, so batch statistics (batch norm) are those of a device's
+    rows, averaged over the devices, as a ``pmap`` without ``axis_name`` computes
+    them; and shard ``i`` draws its dropout key as ``fold_in(rng, i)``.
+    """
+    axes = spec_axis_names(batch_sharding.spec[:1])
+    shards = leading_dim_shards(batch_sharding)
+
+    def on_each_device(state: TrainState, batch: Batch, rng: jax.Array) -> Gradients:
+        index = jax.lax.axis_index(axes) if axes else 0
+        local = gradients(
+            loss_fn,
+            state,
+            batch,
+            jax.random.fold_in(rng, index),
+            microbatches=microbatches,
+            unroll=unroll,
+        )
+        if not axes:
+            return local
+        stacked = jax.lax.all_gather(local, axes)  # shard order along a new leading axis
+        return jax.tree.map(lambda leaf: _ordered_mean(leaf, shards), stacked)
+
+    everywhere = PartitionSpec()
+    batch_spec = PartitionSpec(batch_sharding.spec[0]) if axes else everywhere
+    return jax.shard_map(
+        on_each_device,
+        mesh=batch_sharding.mesh,
+        in_specs=(everywhere, batch_spec, everywhere),
+        out_specs=everywhere,
+        # Every device adds the same gathered values in the same order, so the result
+        # is replicated; this JAX cannot infer that of an all-gather by itself.
+        check_vma=False,
+    )(state, batch, rng)
+
+
+def _ordered_mean(stacked: jax.Array, shards: int) -> jax.Array:
+    """The mean over the leading axis, added in index order (integers: the first group's)."""
+    if not jnp.issubdtype(stacked.dtype, jnp.inexact):
+        return stacked[0]
+    total = stacked[0]
+    for index in range(1, shards):
+        total = total + stacked[index]
+    return (total / shards).astype(stacked.dtype)
 
 
 def _gradients(

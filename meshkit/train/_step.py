@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,15 @@ from meshkit.train._gradients import (
     LossOutput,
     apply_update,
     gradients,
+    ordered_gradients,
 )
 from meshkit.train._state import TrainState
+
+Reduction = Literal["all_reduce", "ordered"]
+"""How a train step sums the devices' gradients: the compiler's all-reduce (fastest),
+or gathered and added in device order (the same bits on any process layout)."""
+
+REDUCTIONS: tuple[str, ...] = ("all_reduce", "ordered")
 
 
 def apply_model(
@@ -139,6 +146,7 @@ def train_step_fn(
     microbatches: int = 1,
     batch_sharding: NamedSharding | None = None,
     unroll_microbatches: bool | None = None,
+    reduction: Reduction = "all_reduce",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The un-jitted step: gradients of ``loss_fn``, one update, metrics as device scalars.
 
@@ -153,19 +161,21 @@ def train_step_fn(
     (a logical table given to ``create_train_state``) are active while the step traces.
     """
     check_int(microbatches, name="microbatches", minimum=1)
+    _check_reduction(reduction, batch_sharding)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         with state.logical_scope():  # nn.with_logical_constraint resolves to the mesh
             return _train_step(state, batch)
 
     def _train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        grads = gradients(
+        compute = ordered_gradients if reduction == "ordered" else gradients
+        grads = compute(
             loss_fn,
             state,
             batch,
             state.step_rng(),
             microbatches=microbatches,
-            batch_sharding=batch_sharding,
+            batch_sharding=batch_sharding,  # pyright: ignore[reportArgumentType]
             unroll=unroll_microbatches,
         )
         return apply_update(state, grads)
@@ -179,6 +189,7 @@ def make_train_step(
     batch_sharding: NamedSharding,
     *,
     microbatches: int = 1,
+    reduction: Reduction = "all_reduce",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -195,6 +206,12 @@ def make_train_step(
     multiple of k times the devices of the data axis (on CPU the micro-batches run
     unrolled; see ``unrolls_microbatches``). The precision policy comes with
     the state (``create_train_state(..., precision="bf16")``).
+
+    ``reduction="ordered"`` sums the devices' gradients in a fixed order instead of an
+    all-reduce: the same bits on 1 process × 8 devices as on 2 × 4, for replicated
+    parameters, at the cost of gathering every device's gradient on every device.
+    Batch statistics are then those of each device's rows, averaged, and each
+    device's rows draw their own dropout key.
 
     Examples:
         >>> import jax.numpy as jnp, numpy as np, optax, meshkit
@@ -213,8 +230,12 @@ def make_train_step(
         (1, ['accuracy', 'grad_norm', 'loss'])
     """
     replicated = replicated_sharding(batch_sharding.mesh)
+    if reduction == "ordered":
+        _check_replicated_params(state_shardings)
     step = jax.jit(
-        train_step_fn(loss_fn, microbatches=microbatches, batch_sharding=batch_sharding),
+        train_step_fn(
+            loss_fn, microbatches=microbatches, batch_sharding=batch_sharding, reduction=reduction
+        ),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
@@ -222,3 +243,29 @@ def make_train_step(
     # fit reads it to check the batch size before anything compiles
     step.microbatches = microbatches  # pyright: ignore[reportAttributeAccessIssue]
     return step
+
+
+def _check_reduction(reduction: object, batch_sharding: NamedSharding | None) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {list(REDUCTIONS)}.")
+    if reduction == "ordered" and batch_sharding is None:
+        raise ValueError(
+            'reduction="ordered" needs the batch sharding, to split the batch into one group '
+            "of rows per data shard; pass batch_sharding=meshkit.batch_sharding(mesh)."
+        )
+
+
+def _check_replicated_params(state_shardings: TrainState) -> None:
+    """The ordered reduction gathers whole gradients: it is for replicated parameters."""
+    split = [
+        jax.tree_util.keystr(path)
+        for path, sharding in jax.tree_util.tree_leaves_with_path(state_shardings.params)
+        if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
+    ]
+    if split:
+        raise ValueError(
+            f'reduction="ordered" gathers every device\'s whole gradient, so it needs '
+            f"replicated parameters; these are sharded: {split[:5]}"
+            f"{' ...' if len(split) > 5 else ''}. Use the default reduction with FSDP or "
+            "model-parallel rules."
+        )
