@@ -33,6 +33,11 @@ STOPPED_PREFIX = "meshkit/stopped/"
 REPORTED_KEY = "meshkit/failure-reported"
 ACK_TIMEOUT = 3.0
 """Seconds a failing process waits for its peers to stop before printing its error."""
+SETTLE = 0.5
+"""Seconds a failing process waits after its peers stopped, before printing its error: a
+launcher copies each process's output in a thread of its own (``meshkit.launch``,
+``srun``), and on a busy machine the peers' last lines, written first, can reach the
+job's output after a line written later."""
 EXIT_AFTER = 1.0
 """Seconds a stopping process waits after the failing one said its error is printed."""
 POLL_MS = 200
@@ -92,6 +97,7 @@ def announce(process_id: int, code: int, summary: str, num_processes: int | None
     while peers > 0 and time.monotonic() < deadline:
         try:
             if len(client.key_value_dir_get(STOPPED_PREFIX)) >= peers:
+                time.sleep(SETTLE)
                 break
         except Exception:
             break
@@ -123,8 +129,10 @@ def fail_job(
     finally:
         flush_streams()
         logging.shutdown()
-        if peers:
+        if peers and first is None:
             reported()
+        elif peers:  # another process failed first: it prints last, and this one waits
+            _wait_for_the_first_failure(process_id)
         os._exit(code)
 
 
@@ -135,17 +143,26 @@ def _stop_for(process_id: int, value: str) -> None:
         "(its traceback follows).",
         file=sys.stderr,
     )
+    _wait_for_the_first_failure(process_id)
+    os._exit(int(code))
+
+
+def _wait_for_the_first_failure(process_id: int) -> None:
+    """Goes quiet, tells the first failing process that this one stopped, and waits until
+    it says its error is printed.
+
+    Exit after the failing process: it prints while the coordination service (process
+    0) is up, and a launcher that stops the job at the first bad exit (srun
+    --kill-on-bad-exit) does not cut its traceback short. A process that fails after
+    another one did waits the same way, rather than ending the job under the first.
+    """
     silence()
     client = _client()
     with contextlib.suppress(Exception):
         client.key_value_set(f"{STOPPED_PREFIX}{process_id}", "1")
-    # Exit after the failing process: it prints while the coordination service (process
-    # 0) is up, and a launcher that stops the job at the first bad exit (srun
-    # --kill-on-bad-exit) does not cut its traceback short.
     with contextlib.suppress(Exception):
         client.blocking_key_value_get(REPORTED_KEY, int((ACK_TIMEOUT + 10) * 1000))
     time.sleep(EXIT_AFTER)  # the failing process exits first, before the service can vanish
-    os._exit(int(code))
 
 
 def reported() -> None:
