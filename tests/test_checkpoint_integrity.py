@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -338,14 +340,14 @@ train.fit(state, step, pipeline, num_steps=40, workdir=sys.argv[1],
 """
 
 
-@pytest.mark.multiprocess
-def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
-    # A real full file system: a 600 KiB tmpfs, where the second checkpoint (about
-    # 400 KiB of parameters and Adam moments) cannot fit. Orbax reports it through
-    # TensorStore as RESOURCE_EXHAUSTED, its threads log it, and its abandoned writes
-    # complain at exit; the run must end on one line that names the full disk.
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real, small file system: a 600 KiB tmpfs under ``tmp_path``, unmounted after.
+
+    The second checkpoint of ``FILL_THE_DISK`` (about 400 KiB of parameters and Adam
+    moments) cannot fit. Skips when not root or when mounting fails.
+    """
     import subprocess
-    import sys
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
@@ -360,6 +362,21 @@ def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
+    # A real full file system: a 600 KiB tmpfs, where the second checkpoint (about
+    # 400 KiB of parameters and Adam moments) cannot fit. Orbax reports it through
+    # TensorStore as RESOURCE_EXHAUSTED, its threads log it, and its abandoned writes
+    # complain at exit; the run must end on one line that names the full disk.
+    import subprocess
+    import sys
+
+    with small_tmpfs(tmp_path) as disk:
         run = subprocess.run(
             [sys.executable, "-c", FILL_THE_DISK, str(disk / "run")],
             capture_output=True,
@@ -367,8 +384,6 @@ def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
             timeout=300,
             check=False,
         )
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
     lines = (run.stdout + run.stderr).strip().splitlines()
     assert run.returncode == 1, lines[-20:]
     assert lines[-1].startswith(
@@ -394,22 +409,10 @@ def test_a_full_disk_on_two_processes_ends_the_job_on_that_one_line(tmp_path: Pa
     import subprocess
     import sys
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     script = tmp_path / "fill.py"
     script.write_text(FILL_THE_DISK.replace("initialize(cpu_devices=2)", "initialize()"))
     command = [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "2", "--timeout", "120"]
-    try:
+    with small_tmpfs(tmp_path) as disk:
         run = subprocess.run(
             [*command, "--", sys.executable, str(script), str(disk / "run")],
             capture_output=True,
@@ -417,8 +420,6 @@ def test_a_full_disk_on_two_processes_ends_the_job_on_that_one_line(tmp_path: Pa
             timeout=180,
             check=False,
         )
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
     lines = [
         line for line in (run.stdout + run.stderr).strip().splitlines() if "[Gloo]" not in line
     ]
