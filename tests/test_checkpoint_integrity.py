@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,20 +83,22 @@ def names(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.iterdir())
 
 
-def save_two_steps(directory: Path, mesh) -> dict[int, dict[str, np.ndarray]]:
-    """Steps 1 and 2 of a tree sharded over ``data``; returns the values saved at each."""
+def save_two_steps(directory: Path, mesh, steps: int = 2) -> dict[int, dict[str, np.ndarray]]:
+    """Steps 1 and 2 (to ``steps``) of a tree sharded over ``data``; the values saved at each."""
     saved = {}
-    checkpointer = train.Checkpointer(directory, save_every=1, keep=3)
-    for step in (1, 2):
+    checkpointer = train.Checkpointer(directory, save_every=1, keep=steps + 1)
+    for step in range(1, steps + 1):
         saved[step] = {name: value + step for name, value in values().items() if name != "mask"}
         checkpointer.save(step, placed(saved[step], mesh), {"step": step})
     checkpointer.close()
     return saved
 
 
-def damage(step_folder: Path, kind: str) -> Path:
-    """Damages the largest OCDBT data file of a step (the one holding ``w``)."""
-    chunk = max(step_folder.glob("state/ocdbt.process_*/d/*"), key=os.path.getsize)
+def damage(step_folder: Path, kind: str, process: int | str = "*") -> Path:
+    """Damages the largest OCDBT data file of a step (the one holding ``w``), or of the
+    files ``process`` wrote (its rows of ``w``: the files only that process reads)."""
+    files = step_folder.glob(f"state/ocdbt.process_{process}/d/*")
+    chunk = max(files, key=os.path.getsize)
     content = bytearray(chunk.read_bytes())
     middle = len(content) // 2
     if kind == "delete":
@@ -270,30 +273,48 @@ def test_the_non_finite_message_calls_the_checkpoint_verified_on_resume_not_good
     assert f"step 10 in {tmp_path}, was saved before it and is kept (verified" in message
 
 
-def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[str]]:
-    """Every process saves steps 1 and 2, process 0 flips a bit of step 2, all resume.
+def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[str], list[str]]:
+    """Every process saves steps 1 to 4, process 0 damages steps 2 to 4, all resume.
 
-    Returns step 2's digest as saved, the step resumed from and the folders set aside.
+    Step 4 has a flipped bit (every process compares the same digest); step 3 has a
+    file that every process reads cut short; step 2 a file that only process 0 reads.
+    Returns step 4's digest as saved, the step resumed from, the folders set aside and
+    the warnings.
     """
     mesh = meshkit.make_mesh("data=-1")
-    saved = save_two_steps(Path(directory), mesh)
+    saved = save_two_steps(Path(directory), mesh, steps=4)
     multihost_utils.sync_global_devices("saved")
     if jax.process_index() == 0:
-        damage(Path(directory) / "2", "bit flip")
+        damage(Path(directory) / "4", "bit flip")
+        for process in range(jax.process_count()):
+            damage(Path(directory) / "3", "truncate", process)
+        damage(Path(directory) / "2", "truncate", process=0)
     multihost_utils.sync_global_devices("damaged")
     checkpointer = train.Checkpointer(directory, save_every=1)
-    resumed = checkpointer.resume(placed(saved[2], mesh))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = checkpointer.resume(placed(saved[4], mesh))
     checkpointer.close()
     assert resumed is not None
-    digest = tree_digest(placed(saved[2], mesh))
-    return digest, resumed.step, [path.name for path in resumed.set_aside]
+    digest = tree_digest(placed(saved[4], mesh))
+    found = [str(warning.message) for warning in caught]
+    return digest, resumed.step, [path.name for path in resumed.set_aside], found
 
 
 @pytest.mark.multiprocess
-def test_two_processes_save_the_digest_of_one_and_fall_back_together(tmp_path):
+def test_two_processes_fall_back_together_whichever_process_finds_the_damage(tmp_path):
     results = run_processes(save_damage_resume, str(tmp_path))
-    saved = {name: value + 2 for name, value in values().items() if name != "mask"}
-    assert results == [(tree_digest(saved), 1, ["2.damaged"])] * 2  # digest of one process
+    saved = {name: value + 4 for name, value in values().items() if name != "mask"}
+    digest, step, set_aside, found = results[0]
+    assert digest == tree_digest(saved)  # the digest of one process
+    assert (step, set_aside) == (1, ["4.damaged", "3.damaged", "2.damaged"])
+    assert results[1] == results[0]  # the same steps, warnings and words on both
+    assert len(found) == 3
+    assert re.search(r"step 4 .* 1 of 4 arrays differ from the digest .*\(w\)", found[0])
+    for message, count in zip(found[1:], (2, 1), strict=True):
+        assert 'it could not be read (ValueError: OUT_OF_RANGE: Error reading "w/' in message
+        assert f"(process 0's finding; {count} of 2 processes found damage)" in message
+        assert "Resuming from step 1" in message
     mesh = meshkit.make_mesh("data=-1")  # this process's own devices: another mesh
     checkpointer = train.Checkpointer(tmp_path, save_every=1)
     saved = {name: value + 1 for name, value in values().items() if name != "mask"}

@@ -36,12 +36,11 @@ class CheckpointDamagedError(RuntimeError):
       damage: what is wrong, in a few words.
     """
 
-    def __init__(self, message: str, *, step: int, folder: epath.Path, damage: str, agreed: bool):
+    def __init__(self, message: str, *, step: int, folder: epath.Path, damage: str):
         super().__init__(message)
         self.step = step
         self.folder = folder
         self.damage = damage
-        self.agreed = agreed  # every process found the same damage (safe to fall back)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -82,11 +81,30 @@ def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
     return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def _everywhere(ok: bool) -> bool:
-    """Whether ``ok`` holds on every process: a collective when there are several."""
+_DAMAGE_BYTES = 1024  # of each process's description of the damage it found
+
+
+def _agreed_damage(damage: str) -> str:
+    """The damage one process found, the same on every process; ``""`` if none found any.
+
+    Every process reads its own part of a checkpoint, so one may find damage where the
+    others read intact values. The processes exchange what they found (one collective,
+    reached by every process whether its read failed or not), and all of them treat
+    the step as damaged if any did, so they never restore different steps. The first
+    process's description is used; with several processes it names that process.
+    """
     if jax.process_count() == 1:
-        return ok
-    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+        return damage
+    encoded = np.zeros(_DAMAGE_BYTES, np.uint8)
+    text = damage.encode()[:_DAMAGE_BYTES]
+    encoded[: len(text)] = np.frombuffer(text, np.uint8)
+    found = np.asarray(multihost_utils.process_allgather(encoded))
+    first = next((i for i, row in enumerate(found) if row.any()), None)
+    if first is None:
+        return ""
+    described = bytes(found[first]).rstrip(b"\0").decode(errors="replace")
+    count, total = int(found.any(axis=1).sum()), jax.process_count()
+    return f"{described} (process {first}'s finding; {count} of {total} processes found damage)"
 
 
 class Checkpointer:
@@ -221,25 +239,26 @@ class Checkpointer:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
         target = abstract_like(target)
         try:
-            read = self._storage.read(step, target)
+            read, failure, damage = self._storage.read(step, target), None, ""
         except Exception as error:
             self._raise_if_another_model(step, target, error)
-            damage = f"it could not be read ({root_cause(error)})"
-            agreed = jax.process_count() == 1  # other processes may have read their part
-            raise self._damaged(step, damage, agreed=agreed) from error
+            read, failure, damage = None, error, f"it could not be read ({root_cause(error)})"
+        # Every process learns whether any read failed (the others may have read their
+        # parts intact), before the digest check's own collectives.
+        if damage := _agreed_damage(damage):
+            raise self._damaged(step, damage) from failure
+        assert read is not None
         if read.digest is None:
             warnings.warn(
                 f"The checkpoint of step {step} in {self.directory} has no digest (it was "
                 "written before meshkit saved one): restored without verification.",
                 stacklevel=2,
             )
-        else:
-            damage = checkpoint_damage(read.digest, read.state, read.data)
-            if not _everywhere(not damage):
-                raise self._damaged(step, damage or "another process read other values")
+        elif damage := _agreed_damage(checkpoint_damage(read.digest, read.state, read.data)):
+            raise self._damaged(step, damage)
         return read.state, read.data
 
-    def _damaged(self, step: int, damage: str, *, agreed: bool = True) -> CheckpointDamagedError:
+    def _damaged(self, step: int, damage: str) -> CheckpointDamagedError:
         folder = self._storage.folder(step)
         return CheckpointDamagedError(
             f"The checkpoint of step {step} in {folder} is damaged: {damage}. Move that "
@@ -248,7 +267,6 @@ class Checkpointer:
             step=step,
             folder=folder,
             damage=damage,
-            agreed=agreed,
         )
 
     def resume(self, target: Any) -> Restored | None:
@@ -256,18 +274,16 @@ class Checkpointer:
 
         A damaged newer checkpoint is moved aside to ``<step>.damaged`` (so that its
         step can be saved again) with a warning naming it and the damage, and the one
-        before it is tried. That happens only when every process found the same damage
-        (always true with one process, and for values that differ from the digest);
-        otherwise, and when no checkpoint is intact, ``CheckpointDamagedError`` is
-        raised and nothing is moved.
+        before it is tried. With several processes, a step is damaged for all of them
+        when any one finds damage in its part, so every process resumes from the same
+        step. When no checkpoint is intact, ``CheckpointDamagedError`` is raised and
+        nothing is moved.
         """
         damaged: list[CheckpointDamagedError] = []
         for step in reversed(self._storage.steps()):
             try:
                 state, data = self.restore(target, step)
             except CheckpointDamagedError as error:
-                if not error.agreed:
-                    raise
                 damaged.append(error)
                 continue
             moved = tuple(self._set_aside(error.step) for error in damaged)
@@ -288,7 +304,6 @@ class Checkpointer:
                 step=newest.step,
                 folder=newest.folder,
                 damage=newest.damage,
-                agreed=True,
             ) from newest
         return None
 

@@ -63,7 +63,9 @@ class Storage:
             enable_async_checkpointing=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(directory, options=options)
+        self._manager = ocp.CheckpointManager(
+            directory, options=options, handler_registry=_item_handlers()
+        )
         one_line_orbax_errors()
 
     def folder(self, step: int) -> epath.Path:
@@ -125,7 +127,14 @@ class Storage:
         return isinstance(handlers, dict) and "digest" in handlers
 
     def read(self, step: int, target: Any) -> Read:
-        """Reads ``step`` into ``target``'s structure and shardings (no verification here)."""
+        """Reads ``step`` into ``target``'s structure and shardings (no verification here).
+
+        The step folder is read through Orbax's item handlers, not its
+        ``CheckpointManager``, whose restore ends in a barrier of all processes: a
+        process whose read failed would skip it while the others wait in it, and the
+        processes could no longer agree to fall back. Here nothing waits for other
+        processes; the ``Checkpointer`` agrees on what each one read afterwards.
+        """
         with_digest = self.has_digest(step)
         items: dict[str, Any] = {
             "state": ocp.args.StandardRestore(target),  # pyright: ignore[reportCallIssue]
@@ -134,11 +143,14 @@ class Storage:
         if with_digest:
             items["digest"] = ocp.args.JsonRestore()  # pyright: ignore[reportCallIssue]
         silence_abandoned_reads()
+        handler = ocp.CompositeCheckpointHandler(handler_registry=_item_handlers())
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            restored = handler.restore(self.folder(step), args=ocp.args.Composite(**items))
         except Exception:
             collect_abandoned_reads()
             raise
+        finally:
+            handler.close()
         digest = dict(restored["digest"]) if with_digest else None
         return Read(state=restored["state"], data=dict(restored["data"]), digest=digest)
 
@@ -155,6 +167,21 @@ class Storage:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _item_handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Orbax's handler of each item a checkpoint holds, for saving and reading it."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    items = {
+        "state": (ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
+        "data": (ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
+        "digest": (ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
+    }
+    for item, (save, restore, handler) in items.items():
+        one = handler()
+        registry.add(item, save, one)
+        registry.add(item, restore, one)
+    return registry
 
 
 def read_pytree_as_numpy(directory: Any) -> Any:
