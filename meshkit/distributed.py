@@ -32,7 +32,7 @@ from typing import Literal
 
 import jax
 
-from meshkit import _peer_failure, _preemption_signals
+from meshkit import _peer_failure, _preemption_signals, _runtime_abort
 from meshkit._checks import check_int
 
 __all__ = [
@@ -392,6 +392,7 @@ def initialize(
         coordinator_bind_address=address if local and ENV_BIND_ADDRESS not in os.environ else None,
     )
     _preemption_signals.forward_to_jax()
+    _runtime_abort.start(jax.process_index())
     if fail_fast and (launch.num_processes is None or launch.num_processes > 1):
         exit_on_uncaught_exception(launch.process_id)
     return launch

@@ -20,9 +20,11 @@ point). If the launcher itself dies (SIGKILL,
 a crash), a watchdog process kills its processes at once, so none is left running
 unsupervised. When one process fails, the others would wait for it in their next
 collective, so they are stopped after a grace period (``--grace``, 5 s: SIGTERM,
-then SIGKILL 3 s later). The exit code is 0 when every process succeeded, otherwise
-the first failing process's code (75 when all of them were preempted, 124 on
-``--timeout``).
+then SIGKILL 3 s later); when a signal ended it (SIGKILL from the out-of-memory
+killer, say), it said nothing and no checkpoint can be saved without it, so they are
+killed at once, and one line names the process and the signal. The exit code is 0
+when every process succeeded, otherwise the first failing process's code (75 when all
+of them were preempted, 124 on ``--timeout``).
 """
 
 from __future__ import annotations
@@ -236,6 +238,9 @@ class LocalProcesses:
                 if failed:
                     first_failure = failed[0]
                     stop_at = time.monotonic() + grace
+                    if first_failure[1] < 0:  # no word from it, and none will come
+                        self._note(_killed(*first_failure, codes))
+                        self.signal(signal.SIGKILL)
             if all(code is not None for code in codes):
                 break
             now = time.monotonic()
@@ -323,6 +328,27 @@ def launch(
         group.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _killed(rank: int, code: int, codes: Sequence[int | None]) -> str:
+    """The launcher's line for a process that a signal ended (``code`` is minus its number)."""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    running = [str(other) for other, status in enumerate(codes) if status is None]
+    why = (
+        " (the out-of-memory killer and kill -9 send it; see dmesg or the scheduler's events)"
+        if -code == signal.SIGKILL
+        else ""
+    )
+    stopped = (
+        f"; stopping process(es) {', '.join(running)} now (SIGKILL), which cannot go on "
+        "without it. Rerun the same command to resume from the newest checkpoint"
+        if running
+        else ""
+    )
+    return f"process {rank} was ended by {name}{why}{stopped}"
 
 
 class _Forwarder:

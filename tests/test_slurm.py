@@ -350,6 +350,12 @@ def test_a_task_killed_with_sigkill_ends_the_job_within_the_heartbeat_timeout(
     os.kill(victim, signal.SIGKILL)
     seconds = wait_until(lambda: state(cluster, job) == "", "the job to end", 60, folder)
     assert seconds < 10 + 15, output(folder)[-3000:]  # MESHKIT_HEARTBEAT_TIMEOUT=10
+    said = output(folder)
+    assert "Check failure stack trace" not in said  # the runtime's report, as one line:
+    assert (
+        "[meshkit] Process 0 stopped: JAX's distributed runtime ended it because process 1 "
+        "stopped sending heartbeats." in said
+    )
 
 
 def _task_of(pid: int) -> str | None:
