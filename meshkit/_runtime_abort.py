@@ -20,6 +20,7 @@ launcher sends to the job, so that it outlives its process and copies its last w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -139,13 +140,19 @@ def main(process_id: str) -> None:
 
 
 def start(process_id: int) -> None:
-    """Routes this process's standard error through the filter (unless ``ENV_SHOW=1``)."""
+    """Routes this process's standard error through the filter (unless ``ENV_SHOW=1``).
+
+    Without a standard error, or when the filter cannot start, nothing changes.
+    """
     import subprocess
 
     if os.environ.get(ENV_SHOW) == "1":
         return
+    try:
+        stderr = os.dup(2)
+    except OSError:
+        return
     read, write = os.pipe()
-    stderr = os.dup(2)
     try:
         subprocess.Popen(
             [sys.executable, "-I", "-S", __file__, str(process_id)],
@@ -154,13 +161,14 @@ def start(process_id: int) -> None:
             stderr=stderr,
             start_new_session=True,  # a launcher's signals to the job's group pass it by
         )
-    except OSError:  # no filter: the report stays, nothing else changes
+    except OSError:
         os.close(write)
         return
     finally:
         os.close(read)
         os.close(stderr)
-    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.flush()
     os.dup2(write, 2)
     os.close(write)
 
