@@ -62,7 +62,8 @@ def test_a_sigint_handler_of_the_programs_own_is_left_alone():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, capfd):
+def tiny_run():
+    """A state, its jitted step and a pipeline of 256 examples: a Dense layer of 4 inputs."""
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
     rng = np.random.default_rng(0)
@@ -75,6 +76,11 @@ def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, ca
     jitted = train.make_train_step(
         train.classification_loss, train.state_shardings_of(state), sharding
     )
+    return state, jitted, pipeline
+
+
+def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, capfd):
+    state, jitted, pipeline = tiny_run()
     taken = 0
 
     def step(state, batch):  # a plain Python step: fit calls it once per step
@@ -91,4 +97,40 @@ def test_ctrl_c_during_fit_saves_at_that_step_and_returns_preempted(tmp_path, ca
     assert result.preempted and result.step == taken == 7
     assert sorted(int(path.name) for path in (tmp_path / "checkpoints").iterdir()) == [7]
     assert "Ctrl-C: saving a checkpoint at the next step" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(
+    ("at", "said"),
+    [
+        (1, "at step 1, during the first step (which compiles the train step); there is no "
+            "checkpoint yet, so a rerun starts over."),
+        (7, "at step 7, without saving it; rerun the same command to resume from step 5, the "
+            "newest checkpoint in {checkpoints}."),
+    ],
+)  # fmt: skip
+def test_a_second_ctrl_c_stops_fit_at_once_in_a_few_lines(tmp_path, at, said):
+    state, jitted, pipeline = tiny_run()
+    taken = 0
+
+    def step(state, batch):
+        nonlocal taken
+        taken += 1
+        if taken == at:
+            interrupt()
+            interrupt()  # raised here, or in JAX's compiler for a real model
+        return jitted(state, batch)
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        train.fit(
+            state, step, pipeline, num_steps=1000, workdir=tmp_path,
+            checkpoints=train.Checkpoints(every=5), logging=train.Logging(progress=False),
+        )  # fmt: skip
+    checkpoints = tmp_path / "checkpoints"
+    assert str(info.value) == "A second Ctrl-C stopped training " + said.format(
+        checkpoints=checkpoints
+    )
+    assert info.value.__suppress_context__  # the traceback ends in fit, not in the loop
+    assert info.traceback[-1].name == "fit"
+    assert sorted(int(path.name) for path in checkpoints.iterdir()) == ([5] if at > 5 else [])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

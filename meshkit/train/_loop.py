@@ -218,6 +218,7 @@ def fit(
         stall=StallWatch(settings.dispatch.stall_timeout),
     )
     began = time.perf_counter()
+    interrupted = False
     try:
         with count_compiles() as compiles:
             step = loop.run(
@@ -231,6 +232,8 @@ def fit(
                 num_steps=num_steps,
             )
         checkpointer.wait()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, saying where, without a traceback
+        interrupted = True  # through JAX's compiler or the loop's internals
     finally:
         loop.stall.close()
         profiler.stop(loop.state)
@@ -239,6 +242,8 @@ def fit(
         bar.close()
         records.close()
         checkpointer.close()
+    if interrupted:
+        raise KeyboardInterrupt(_interrupted(loop, checkpointer)) from None
     return _result(
         loop,
         step,
@@ -248,6 +253,23 @@ def fit(
         batches=batches,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
     )
+
+
+def _interrupted(loop: _Loop, checkpointer: Checkpointer) -> str:
+    """What a second Ctrl-C stopped, and where a rerun resumes."""
+    during = (
+        "during the first step (which compiles the train step)"
+        if loop.first_step_pending
+        else "without saving it"
+    )
+    latest = checkpointer.latest_step()
+    resume = (
+        f"rerun the same command to resume from step {latest}, the newest checkpoint in "
+        f"{checkpointer.directory}"
+        if latest is not None
+        else "there is no checkpoint yet, so a rerun starts over"
+    )
+    return f"A second Ctrl-C stopped training at step {loop.at}, {during}; {resume}."
 
 
 def state_step(state: Any) -> int:
@@ -371,6 +393,7 @@ class _Loop:
         self.hooks = tuple(hooks)
         self.eval_metrics: dict[str, float] = {}
         self.preempted = False
+        self.at = 0  # the step being taken (or compiled)
         self.stop_requested = False  # a hook asked to stop
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
@@ -393,6 +416,7 @@ class _Loop:
         step = start
         sums = interval = None
         for step in range(start + 1, num_steps + 1):
+            self.at = step
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 if sums is not None:
@@ -432,6 +456,11 @@ class _Loop:
         if start >= num_steps and self.evaluation is not None:
             self.evaluate(step)
         return step
+
+    @property
+    def first_step_pending(self) -> bool:
+        """Whether the first step (with the compilation) has not finished yet."""
+        return self._first_done == 0.0
 
     def _boundary(
         self,
