@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -218,7 +219,6 @@ def fit(
         stall=StallWatch(settings.dispatch.stall_timeout),
     )
     began = time.perf_counter()
-    interrupted = False
     try:
         with count_compiles() as compiles:
             step = loop.run(
@@ -233,7 +233,9 @@ def fit(
             )
         checkpointer.wait()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, saying where, without a traceback
-        interrupted = True  # through JAX's compiler or the loop's internals
+        with contextlib.suppress(Exception):  # through JAX's compiler or the loop's internals
+            checkpointer.wait()  # a save under way finishes, and counts
+        raise KeyboardInterrupt(_interrupted(loop, checkpointer)) from None
     finally:
         loop.stall.close()
         profiler.stop(loop.state)
@@ -242,8 +244,6 @@ def fit(
         bar.close()
         records.close()
         checkpointer.close()
-    if interrupted:
-        raise KeyboardInterrupt(_interrupted(loop, checkpointer)) from None
     return _result(
         loop,
         step,
