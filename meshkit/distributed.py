@@ -225,6 +225,19 @@ def _one_line(kind: type[BaseException], value: BaseException) -> str:
     return f"{kind.__name__}: {text}" if text else kind.__name__
 
 
+_LOST_PEER = (
+    "Connection closed by peer",  # Gloo (CPU collectives)
+    "Connection reset by peer",
+    "remote process exited",  # NCCL
+)
+
+
+def _lost_peer(value: BaseException) -> bool:
+    """Whether ``value`` is a collective that lost its connection to another process: the
+    first sign, before the heartbeat timeout, of a process that died without a word."""
+    return any(text in str(value) for text in _LOST_PEER)
+
+
 def _process_id(given: int | None) -> int:
     if given is not None:
         return given
@@ -276,7 +289,23 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     ) -> None:
         code = INTERRUPTED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
 
+        lost = peers and _lost_peer(value)
+        summary = _one_line(kind, value)
+        if lost:
+            summary = f"a lost connection to another process ({summary})"
+
         def report(first: str | None) -> None:
+            if first is None and lost and os.environ.get(_runtime_abort.ENV_SHOW) != "1":
+                print(
+                    f"[meshkit] {name} stopped: a collective lost its connection to another "
+                    f"process ({_one_line(kind, value)}). A process that ends without a word "
+                    "of its own was killed (the out-of-memory killer, kill -9) or lost its "
+                    "host: see the other processes' logs and the scheduler's events. The "
+                    f"traceback is left out ({_runtime_abort.ENV_SHOW}=1 shows it); exiting "
+                    f"with code {code}.",
+                    file=sys.stderr,
+                )
+                return
             if first is not None:
                 print(
                     f"[meshkit] {name} failed too, with {_one_line(kind, value)} "
@@ -294,7 +323,7 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
         _peer_failure.fail_job(
             me or 0,
             code,
-            _one_line(kind, value),
+            summary,
             peers=peers,
             num_processes=_num_processes(),
             report=report,

@@ -354,8 +354,11 @@ def test_a_task_killed_with_sigkill_ends_the_job_within_the_heartbeat_timeout(
     assert "Check failure stack trace" not in said  # the runtime's report, as one line:
     assert (
         "[meshkit] Process 0 stopped: JAX's distributed runtime ended it because process 1 "
-        "stopped sending heartbeats." in said
-    )
+        "stopped sending heartbeats."
+        in said
+        or "[meshkit] Process 0 stopped: a collective lost its connection to another process"
+        in said  # a collective with the killed task may fail first
+    ), said[-3000:]
 
 
 def _task_of(pid: int) -> str | None:
