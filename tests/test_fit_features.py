@@ -247,8 +247,10 @@ def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatc
     registry = importlib.import_module("fsspec.registry")._registry  # the writable one
     for scheme in ("gs", "gcs"):  # nor registered in this process (another test may have)
         monkeypatch.delitem(registry, scheme, raising=False)
-    with pytest.raises(ImportError) as info:
-        run_fit("gs://bucket/run")
-    message = str(info.value)
-    assert message.startswith("The workdir gs://bucket/run is on Google Cloud Storage")
-    assert 'pip install "meshkit[gcs]"' in message and "TensorStore" in message
+    mesh = meshkit.make_mesh("data=-1")
+    for first_write in (run_fit, lambda workdir: train.write_run_config(workdir, {}, mesh)):
+        with pytest.raises(ImportError) as info:
+            first_write("gs://bucket/run")
+        message = str(info.value)
+        assert message.startswith("The workdir gs://bucket/run is on Google Cloud Storage")
+        assert 'pip install "meshkit[gcs]"' in message and "TensorStore" in message

@@ -14,7 +14,7 @@ import jax
 from etils import epath
 from jax.sharding import Mesh
 
-from meshkit._paths import PathLike, as_path, write_text_atomically
+from meshkit._paths import PathLike, as_path, check_store_packages, write_text_atomically
 
 PACKAGES = ("meshkit", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 """The packages whose versions a run's ``config.json`` records."""
@@ -89,6 +89,7 @@ def write_run_config(
         >>> config["arguments"], config["devices"]["platform"], "jax" in config["versions"]
         ({'learning_rate': 0.1}, 'cpu', True)
     """
+    check_store_packages(workdir)  # the first write of a recipe: say so before it fails
     config = run_config(arguments, mesh)
     path = as_path(workdir) / "config.json"
     if jax.process_index() == 0:
