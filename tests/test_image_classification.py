@@ -15,7 +15,6 @@ from PIL import Image
 from meshkit.data import convert
 from meshkit.testing import run_processes
 
-pytestmark = pytest.mark.multiprocess  # each runs once: the recipe picks its own devices
 
 CLASSES = ("circle", "square", "stripe")
 
@@ -43,6 +42,7 @@ def write_image_folder(root: Path, per_class: int, seed: int) -> None:
             Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{i}.png")
 
 
+@pytest.mark.once  # one recipe process, which picks its own devices: a parallel pass
 def test_default_data_and_model_learn_the_digits(tmp_path):
     # The default run (240 steps) reaches 0.98 (nox -s first_hour checks it); 60 steps 0.944.
     summary = run_recipe(
@@ -56,6 +56,7 @@ def test_default_data_and_model_learn_the_digits(tmp_path):
     assert summary["input_wait_fraction"] < 0.05
 
 
+@pytest.mark.multiprocess
 def test_converted_image_folder_trains_alike_on_one_and_two_processes(tmp_path):
     write_image_folder(tmp_path / "images" / "train", per_class=12, seed=0)
     write_image_folder(tmp_path / "images" / "test", per_class=5, seed=1)
