@@ -376,6 +376,11 @@ def initialize(
     (JAX binds it to every interface by default) unless ``JAX_COORDINATOR_BIND_ADDRESS``
     says otherwise.
 
+    With several processes, this process's standard error then passes through a small
+    filter process that turns the fatal C++ report JAX's runtime prints when another
+    process is lost into one line naming it (``MESHKIT_RUNTIME_REPORTS=1`` keeps the
+    report as it is); everything else is copied through unchanged.
+
     Examples:
         >>> import meshkit
         >>> meshkit.distributed.initialize()  # doctest: +SKIP
