@@ -238,7 +238,8 @@ class LocalProcesses:
                 if failed:
                     first_failure = failed[0]
                     stop_at = time.monotonic() + grace
-                    if first_failure[1] < 0:  # no word from it, and none will come
+                    killed = first_failure[1] < 0 and self.stop_requested is None
+                    if killed:  # by a signal the launcher did not forward: no word will come
                         self._note(_killed(*first_failure, codes))
                         self.signal(signal.SIGKILL)
             if all(code is not None for code in codes):

@@ -15,7 +15,6 @@ from PIL import Image
 from meshkit.data import convert
 from meshkit.testing import run_processes
 
-
 CLASSES = ("circle", "square", "stripe")
 
 
