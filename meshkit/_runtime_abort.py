@@ -139,6 +139,11 @@ def main(process_id: str) -> None:
             held_since = last
 
 
+def reports_shown() -> bool:
+    """Whether the runtime's reports are asked for as they are (``ENV_SHOW=1``)."""
+    return os.environ.get(ENV_SHOW) == "1"
+
+
 def start(process_id: int) -> None:
     """Routes this process's standard error through the filter (unless ``ENV_SHOW=1``).
 
@@ -146,7 +151,7 @@ def start(process_id: int) -> None:
     """
     import subprocess
 
-    if os.environ.get(ENV_SHOW) == "1":
+    if reports_shown():
         return
     try:
         stderr = os.dup(2)

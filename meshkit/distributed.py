@@ -289,16 +289,15 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
     ) -> None:
         code = INTERRUPTED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
 
+        line = _one_line(kind, value)
         lost = peers and _lost_peer(value)
-        summary = _one_line(kind, value)
-        if lost:
-            summary = f"a lost connection to another process ({summary})"
+        summary = f"a lost connection to another process ({line})" if lost else line
 
         def report(first: str | None) -> None:
-            if first is None and lost and os.environ.get(_runtime_abort.ENV_SHOW) != "1":
+            if first is None and lost and not _runtime_abort.reports_shown():
                 print(
                     f"[meshkit] {name} stopped: a collective lost its connection to another "
-                    f"process ({_one_line(kind, value)}). A process that ends without a word "
+                    f"process ({line}). A process that ends without a word "
                     "of its own was killed (the out-of-memory killer, kill -9) or lost its "
                     "host: see the other processes' logs and the scheduler's events. The "
                     f"traceback is left out ({_runtime_abort.ENV_SHOW}=1 shows it); exiting "
@@ -308,14 +307,14 @@ def exit_on_uncaught_exception(process_id: int | None = None) -> None:
                 return
             if first is not None:
                 print(
-                    f"[meshkit] {name} failed too, with {_one_line(kind, value)} "
+                    f"[meshkit] {name} failed too, with {line} "
                     f"(the first failure: {first}); exiting with code {code}.",
                     file=sys.stderr,
                 )
                 return
             previous(kind, value, traceback)
             print(
-                f"[meshkit] {name} failed with {_one_line(kind, value)}; exiting with code "
+                f"[meshkit] {name} failed with {line}; exiting with code "
                 f"{code}{'; the other processes stop too' if peers else ''}.",
                 file=sys.stderr,
             )

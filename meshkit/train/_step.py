@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
+from meshkit._pytree import path_str
 from meshkit._types import Batch, Metrics
 from meshkit.train._gradients import (
     LossFn,
@@ -28,7 +29,7 @@ Reduction = Literal["all_reduce", "ordered"]
 """How a train step sums the devices' gradients: the compiler's all-reduce (fastest),
 or gathered and added in device order (the same bits on any process layout)."""
 
-REDUCTIONS: tuple[str, ...] = ("all_reduce", "ordered")
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 
 
 def apply_model(
@@ -258,7 +259,7 @@ def _check_reduction(reduction: object, batch_sharding: NamedSharding | None) ->
 def _check_replicated_params(state_shardings: TrainState) -> None:
     """The ordered reduction gathers whole gradients: it is for replicated parameters."""
     split = [
-        jax.tree_util.keystr(path)
+        path_str(path)
         for path, sharding in jax.tree_util.tree_leaves_with_path(state_shardings.params)
         if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
     ]
