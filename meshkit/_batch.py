@@ -357,6 +357,31 @@ def place_local_rows(local_batch: Any, sharding: NamedSharding, global_batch_siz
     return jax.tree.map(to_global, local_batch)
 
 
+def place_stacked_rows(local: Any, sharding: NamedSharding, global_batch_size: int) -> Any:
+    """Several steps' rows at once: leaves ``(steps, local rows, ...)`` become global arrays
+    ``(steps, global_batch_size, ...)`` whose axis 1 is split like ``sharding`` (this
+    process gives its rows; axis 0 is whole on every device).
+
+    One transfer for a chunk of steps: their batches (host input) or their source
+    indices (resident data).
+    """
+    stacked = _stacked_sharding(sharding)
+    if jax.process_count() == 1:
+        return jax.device_put(local, stacked)
+
+    def to_global(leaf: Any) -> jax.Array:
+        leaf = np.asarray(leaf)
+        shape = (leaf.shape[0], global_batch_size, *leaf.shape[2:])
+        return jax.make_array_from_process_local_data(stacked, leaf, shape)
+
+    return jax.tree.map(to_global, local)
+
+
+@functools.lru_cache(maxsize=16)
+def _stacked_sharding(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+
+
 def _identity_jit_places_faster(sharding: NamedSharding) -> bool:
     """Whether one batch reaches ``sharding`` faster through an identity ``jax.jit``
     than through ``jax.device_put``: on one CPU device only."""

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
 from meshkit.data._labels import check_labels
+from meshkit.data._resident import ResidentData, ResidentMode, choose_layout, place_resident
 from meshkit.data._source import Record, Source, source_fingerprint, stack_records
 
 Transform = Callable[[Record, np.random.Generator], Record]
@@ -188,9 +189,11 @@ class _Pipeline:
         return iterable.mp_prefetch(options)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pipelines travel to Grain worker processes without their sharding: devices
-        # don't pickle, and workers only build host batches.
-        return {**self.__dict__, "sharding": None}
+        # Pipelines travel to Grain worker processes without their sharding or resident
+        # arrays: devices don't pickle, and workers only build host batches.
+        state = {**self.__dict__, "sharding": None}
+        state.pop("resident_data", None)
+        return state
 
 
 class TrainPipeline(_Pipeline):
@@ -223,6 +226,13 @@ class TrainPipeline(_Pipeline):
         otherwise.
       prefetch: batches built ahead of time.
       worker_count: Grain worker processes (opt-in; see ``dataset``).
+      resident: ``True`` places the whole dataset on the devices once and lets
+        ``fit`` gather each batch there by index (the same examples in the same order
+        as host input): replicated when it fits within a quarter of one device's
+        memory, else its rows split over the data axes. ``"replicated"`` or
+        ``"sharded"`` chooses the layout. Needs an in-memory source and no host
+        ``transform`` (augment in the step: ``device_augmentation(...).wrap``).
+        ``resident_data`` says where it went.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -251,6 +261,7 @@ class TrainPipeline(_Pipeline):
         num_threads: int | None = None,
         prefetch: int = 4,
         worker_count: int = 0,
+        resident: bool | ResidentMode = False,
     ):
         super().__init__(
             source,
@@ -276,6 +287,61 @@ class TrainPipeline(_Pipeline):
         self.shuffle = bool(shuffle)  # a plain bool: it goes into the JSON data state
         self.steps_per_epoch = self._source_length // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
+        self.resident_mode, self.resident_bytes = self._resident_layout(resident)
+
+    def _resident_layout(self, resident: object) -> tuple[ResidentMode | None, int]:
+        """The resident layout and bytes per device (``(None, 0)``: host input); checked
+        when the pipeline is built, so a dataset that cannot be resident is refused
+        before anything compiles."""
+        if resident is False:
+            return None, 0
+        if resident not in (True, "replicated", "sharded"):
+            raise ValueError(
+                f"resident must be True, False, 'replicated' or 'sharded', got {resident!r}."
+            )
+        if self.transform is not None:
+            raise ValueError(
+                f"resident={resident!r} gathers batches on the devices, where the host "
+                f"transform {type(self.transform).__name__} cannot run. Pass transform=None "
+                "(convert the arrays once, before building the source) and augment in the "
+                "step with meshkit.data.image.device_augmentation(...).wrap(loss_fn), or "
+                "keep resident=False."
+            )
+        mode = None if resident is True else resident
+        arrays = self._source_arrays()
+        return choose_layout(arrays, self.sharding, mode=mode, what=repr(self.source))
+
+    def _source_arrays(self) -> Record:
+        """Every example of the source, field by field (for resident data)."""
+        arrays = getattr(self.source, "arrays", None)
+        if isinstance(arrays, dict):
+            return arrays
+        if getattr(self.source, "getitems", None) is None:
+            raise ValueError(
+                f"resident=True needs an in-memory source whose examples can be read all at "
+                f"once (ArraySource, digits, mnist, cifar10...), got {self.source!r}. Load "
+                "the arrays into an ArraySource, or keep resident=False."
+            )
+        return _fetch(self.source, np.arange(self._source_length))
+
+    @functools.cached_property
+    def resident_data(self) -> ResidentData | None:
+        """The dataset on the devices (placed the first time this is read), or ``None``
+        for host input."""
+        if self.resident_mode is None:
+            return None
+        self._check_source_length()
+        return place_resident(self._source_arrays(), self.sharding, self.resident_mode)
+
+    def chunk_indices(self, start_step: int, steps: int) -> np.ndarray:
+        """Source indices of global batches ``start_step .. start_step + steps - 1``:
+        ``int32[steps, rows, ...]``, this process's rows (or every row, for a dataset
+        whose rows are split over the devices: each device looks for all of them)."""
+        self._check_source_length()
+        rows = slice(None) if self.resident_mode == "sharded" else self.shard.slice
+        return np.stack(
+            [self.global_indices(step)[rows] for step in range(start_step, start_step + steps)]
+        ).astype(np.int32)
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - the pipeline lives as long as its cache
     def epoch_order(self, epoch: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from jax.sharding import NamedSharding
@@ -51,6 +51,8 @@ class MemberTrainPipeline(TrainPipeline):
         ``None``: ``member_seed(seed, i)``.
       worker_count: Grain worker processes building whole batches (see
         ``TrainPipeline``; ``meshkit.data.image.input_settings`` suggests one).
+      resident: the dataset on the devices, each member's batch gathered there by its
+        own indices (see ``TrainPipeline``): one copy serves all K members.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -79,6 +81,7 @@ class MemberTrainPipeline(TrainPipeline):
         prefetch: int = 4,
         member_seeds: Sequence[int] | None = None,
         worker_count: int = 0,
+        resident: bool | Literal["replicated", "sharded"] = False,
     ):
         check_int(num_members, name="num_members", minimum=1)
         if member_seeds is None:
@@ -99,6 +102,7 @@ class MemberTrainPipeline(TrainPipeline):
             num_threads=num_threads,
             prefetch=prefetch,
             worker_count=worker_count,
+            resident=resident,
         )
         self.num_members = num_members
         self.members = tuple(
@@ -120,6 +124,11 @@ class MemberTrainPipeline(TrainPipeline):
         """This process's rows of global batch ``step``: fields ``[rows, K, ...]``."""
         columns = [member.local_batch(step) for member in self.members]
         return {key: np.stack([column[key] for column in columns], axis=1) for key in columns[0]}
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Source indices of global batch ``step``: ``[global_batch_size, K]``, column ``i``
+        member ``i``'s."""
+        return np.stack([member.global_indices(step) for member in self.members], axis=1)
 
     def state_fields(self) -> dict[str, Any]:
         """What a checkpoint must match to resume: the pipeline's fields and K."""

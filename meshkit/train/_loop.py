@@ -22,14 +22,24 @@ from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
+from meshkit.train._chunks import ChunkSizes, boundary_period
+from meshkit.train._feeds import HostChunks, ResidentChunks
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
-from meshkit.train._interval import Interval, MetricSums
+from meshkit.train._interval import Interval, MetricLayout
 from meshkit.train._label_diagnosis import labels_outside_classes
 from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
-from meshkit.train._settings import Checkpoints, Dispatch, Evaluation, Logging, resolve_deprecated
+from meshkit.train._runners import Chunked, Closed, PerStep
+from meshkit.train._settings import (
+    Checkpoints,
+    Dispatch,
+    Evaluation,
+    FitSettings,
+    Logging,
+    resolve_deprecated,
+)
 from meshkit.train._stall import StallWatch
 from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
@@ -56,7 +66,11 @@ class FitResult:
       input_startup_seconds: the time the first batch took: opening the pipeline (its
         threads or Grain worker processes) and building its first batches.
       train_step_compiles: compilations of the train step during this run.
-      max_in_flight: the most steps that were queued on the devices at once.
+      max_in_flight: the most dispatches that were queued on the devices at once.
+      input_path: how batches reached the devices: ``"host"``, or ``"resident
+        (replicated, 4.5 MiB per device)"``.
+      dispatch: how many steps each dispatch ran, and for ``'auto'`` what it measured.
+      steps_per_dispatch: the steps each whole chunk ran (1: one step per dispatch).
     """
 
     state: TrainState
@@ -71,6 +85,9 @@ class FitResult:
     input_startup_seconds: float
     train_step_compiles: int
     max_in_flight: int
+    input_path: str = "host"
+    dispatch: str = "1 step per dispatch"
+    steps_per_dispatch: int = 1
 
 
 def fit(
@@ -206,7 +223,15 @@ def fit(
     start = 0 if data_state is None else int(data_state["step"])
     records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)
     profiler = StepProfiler(settings.dispatch.profile_steps, workdir / "profile")
-    batches = GlobalBatchIterator(pipeline, state=data_state)
+    runner = _runner(train_step, pipeline, data_state, mesh, settings)
+    sizes = ChunkSizes(
+        settings.dispatch.steps_per_dispatch if runner.chunked else 1,
+        boundary_period(
+            settings.checkpoints.every,
+            settings.evaluation.every if settings.evaluation is not None else None,
+        ),
+    )
+    batches = runner.feed
     watcher = PreemptionWatcher()
     loop = _Loop(
         state,
@@ -222,8 +247,8 @@ def fit(
     try:
         with count_compiles() as compiles:
             step = loop.run(
-                train_step,
-                mesh,
+                runner,
+                sizes,
                 watcher,
                 settings.checkpoints,
                 checkpointer,
@@ -252,7 +277,28 @@ def fit(
         wall=time.perf_counter() - began,
         batches=batches,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
+        input_path=runner.describe(),
+        dispatch=sizes.describe(),
+        steps_per_dispatch=sizes.chosen or 1,
     )
+
+
+def _runner(
+    train_step: Callable[..., Any],
+    pipeline: TrainPipeline,
+    data_state: dict[str, Any] | None,
+    mesh: Mesh,
+    settings: FitSettings,
+) -> PerStep | Chunked:
+    """One step per dispatch on host batches, or chunks (several steps, or resident data)."""
+    log_every = settings.logging.every
+    resident = getattr(pipeline, "resident_mode", None) is not None
+    if not resident and settings.dispatch.steps_per_dispatch == 1:
+        return PerStep(
+            train_step, GlobalBatchIterator(pipeline, state=data_state), mesh, log_every=log_every
+        )
+    feed = ResidentChunks(pipeline, data_state) if resident else HostChunks(pipeline, data_state)
+    return Chunked(train_step, feed, mesh, log_every=log_every)
 
 
 def _interrupted(loop: _Loop, checkpointer: Checkpointer) -> str:
@@ -302,6 +348,16 @@ def _check_start(first: int, num_steps: int, *, given: bool) -> None:
     )
 
 
+def _room(
+    step: int, num_steps: int, checkpoints: Checkpoints, evaluation: Evaluation | None
+) -> int:
+    """Steps from ``step`` to the next checkpoint, evaluation or the last step."""
+    stop = min(num_steps, (step // checkpoints.every + 1) * checkpoints.every)
+    if evaluation is not None and evaluation.every:
+        stop = min(stop, (step // evaluation.every + 1) * evaluation.every)
+    return stop - step
+
+
 def _check_steps(num_steps: int, pipeline: TrainPipeline) -> None:
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
@@ -335,8 +391,11 @@ def _result(
     start: int,
     resumed_from: int | None,
     wall: float,
-    batches: GlobalBatchIterator,
+    batches: GlobalBatchIterator | HostChunks | ResidentChunks,
     train_step_compiles: int,
+    input_path: str,
+    dispatch: str,
+    steps_per_dispatch: int,
 ) -> FitResult:
     """The run's ``FitResult``: its state, step, records and timings."""
     timed_steps = step - start - 1  # the first step of a run includes its compilation
@@ -353,6 +412,9 @@ def _result(
         input_startup_seconds=batches.startup_seconds,
         train_step_compiles=train_step_compiles,
         max_in_flight=loop.window.limit,
+        input_path=input_path,
+        dispatch=dispatch,
+        steps_per_dispatch=steps_per_dispatch,
     )
 
 
@@ -361,21 +423,24 @@ _PARAMETERS = tuple(inspect.signature(fit).parameters)[:-1]  # all but **depreca
 
 @dataclasses.dataclass
 class _Queued:
-    """A step queued on the devices: its running interval, and whether it closes a log line."""
+    """A dispatch queued on the devices: its last step and the log lines it closed."""
 
     step: int
-    interval: Interval
-    closes_log: bool
+    closed: Closed
+
+
+Feed = GlobalBatchIterator | HostChunks | ResidentChunks
 
 
 class _Loop:
-    """The steps of one ``fit`` call: a bounded window of queued steps, reads at boundaries."""
+    """The steps of one ``fit`` call: a bounded window of queued dispatches, reads at
+    boundaries."""
 
     def __init__(
         self,
         state: TrainState,
         records: Records,
-        batches: GlobalBatchIterator,
+        batches: Feed,
         evaluation: Evaluation | None,
         window: InFlight[_Queued],
         *,
@@ -393,17 +458,17 @@ class _Loop:
         self.hooks = tuple(hooks)
         self.eval_metrics: dict[str, float] = {}
         self.preempted = False
-        self.at = 0  # the step being taken (or compiled)
+        self.at = 0  # the first step of the dispatch being taken (or compiled)
         self.stop_requested = False  # a hook asked to stop
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
-        self._sums: MetricSums | None = None
+        self._layout: MetricLayout | None = None
 
     def run(
         self,
-        train_step: Callable[..., Any],
-        mesh: Mesh,
+        runner: PerStep | Chunked,
+        sizes: ChunkSizes,
         watcher: PreemptionWatcher,
         checkpoints: Checkpoints,
         checkpointer: Checkpointer,
@@ -412,50 +477,85 @@ class _Loop:
         start: int,
         num_steps: int,
     ) -> int:
-        """Runs steps ``start + 1 .. num_steps``; returns the last step taken."""
+        """Runs steps ``start + 1 .. num_steps``; returns the last step taken.
+
+        Steps go in dispatches of ``sizes``'s choosing, cut at every checkpoint and
+        evaluation boundary; preemption, a failed save and a hook's stop are checked
+        after each dispatch.
+        """
         step = start
-        sums = interval = None
-        for step in range(start + 1, num_steps + 1):
-            self.at = step
-            profiler.before(step)
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                if sums is not None:
-                    self.stall.enter("input", step)
-                batch = next(self.batches)
-                if sums is not None:
-                    self.stall.enter("devices", step)
-                if sums is None or interval is None:
-                    sums, self.state, interval = MetricSums.first_step(
-                        train_step, self.state, batch, mesh=mesh
-                    )
-                    self._sums = sums
-                    jax.block_until_ready(interval)  # the first step includes the compilation
-                    self._first_done = time.perf_counter()
-                else:
-                    self.state, interval = sums.step(self.state, batch, interval)
-            profiler.after(step, self.state)
+        interval: Interval | None = None
+        pending = 0  # steps since the last log line (in ``interval``)
+        evaluation = self.evaluation
+        while step < num_steps:
+            room = _room(step, num_steps, checkpoints, evaluation)
+            group = sizes.timing_group(room) if interval is not None else None
+            plan = [group[1]] * group[0] if group else [1 if interval is None else sizes.next(room)]
+            if group:
+                jax.block_until_ready(self.state)
+                began = time.perf_counter()
+            for steps in plan:
+                interval, closed = self._dispatch(runner, interval, step, steps, profiler)
+                step += steps
+                pending = step - closed.at[-1][1] if closed.at else pending + steps
+                if not group:
+                    sizes.ran(steps)
+            if group:
+                jax.block_until_ready(self.state)
+                sizes.timed(sum(plan), time.perf_counter() - began)
             last = step == num_steps
-            evaluate = self.evaluation is not None and self.evaluation.due(step, last=last)
+            evaluate = evaluation is not None and evaluation.due(step, last=last)
             self.preempted = watcher.reached(step)
             stop = self.preempted or self.stop_requested
             checkpointer.check(step)  # a save that failed in the background stops the run
             save = checkpoints.due(step, last=last, stopping=stop)
             if save or evaluate:
-                self._boundary(step, interval, checkpointer if save else None, evaluate=evaluate)
-                interval = sums.zeros
+                assert interval is not None
+                carried = Closed(interval, [(None, step)] if pending else [])
+                self._boundary(step, carried, checkpointer if save else None, evaluate=evaluate)
+                interval, pending = runner.zeros, 0
                 if stop:
                     break
-                continue
-            closes_log = step % self.log_every == 0
-            if closes_log:
-                sums.copy_to_host_async(interval)  # read one interval late, when it is ready
-            for queued in self.window.push(_Queued(step, interval, closes_log), interval.steps):
-                self._settle(queued)
-            if closes_log:
-                interval = sums.zeros
         if start >= num_steps and self.evaluation is not None:
             self.evaluate(step)
         return step
+
+    def _dispatch(
+        self,
+        runner: PerStep | Chunked,
+        interval: Interval | None,
+        step: int,
+        steps: int,
+        profiler: StepProfiler,
+    ) -> tuple[Interval, Closed]:
+        """Queues steps ``step + 1 .. step + steps`` as one dispatch (the first one of the
+        run compiles, and is waited for)."""
+        first = step + 1
+        self.at = first
+        profiler.before(first, first + steps - 1)
+        with jax.profiler.StepTraceAnnotation("train", step_num=first):
+            if interval is not None:
+                self.stall.enter("input", first)
+            inputs = runner.fetch(steps)
+            if interval is not None:
+                self.stall.enter("devices", first)
+            compiling = interval is None
+            self.state, interval, closed = runner.dispatch(
+                self.state, interval, inputs, first, steps
+            )
+            if compiling:
+                self._layout = runner.layout
+                jax.block_until_ready(interval)  # the first step includes the compile
+                self._first_done = time.perf_counter()
+        profiler.after(step + steps, self.state)
+        self._push(step + steps, closed, interval)
+        return interval, closed
+
+    def _push(self, step: int, closed: Closed, interval: Interval) -> None:
+        """Queues a dispatch (done when its interval is); settles the ones that left the
+        queue."""
+        for queued in self.window.push(_Queued(step, closed), interval.steps):
+            self._settle(queued)
 
     @property
     def first_step_pending(self) -> bool:
@@ -465,7 +565,7 @@ class _Loop:
     def _boundary(
         self,
         step: int,
-        interval: Interval,
+        carried: Closed,
         checkpointer: Checkpointer | None,
         *,
         evaluate: bool,
@@ -473,7 +573,7 @@ class _Loop:
         """Checks every step so far, then saves and/or evaluates the state after ``step``."""
         for queued in self.window.drain():
             self._settle(queued)
-        self._settle(_Queued(step, interval, closes_log=True))
+        self._settle(_Queued(step, carried))
         self.stall.pause()  # saves and evaluations may take long; the next step re-arms
         done = time.perf_counter()
         self.elapsed = done - self._first_done - self._paused
@@ -485,17 +585,18 @@ class _Loop:
         self._paused += time.perf_counter() - done
 
     def _settle(self, queued: _Queued) -> None:
-        """Reads (and checks) a finished step's interval if it closes a log line."""
-        if queued.closes_log:
-            assert self._sums is not None
-            read = self._sums.read(queued.interval, queued.step)
+        """Reads (and checks) the log lines a finished dispatch closed."""
+        if not queued.closed.at:
+            return
+        assert self._layout is not None
+        for read in queued.closed.reads(self._layout):
             values = self.records.interval(
                 read,
                 paused=self._paused,
                 input_wait=self.batches.wait_seconds,
                 diagnose=self._diagnose,
             )
-            self._call_hooks("log", queued.step, values)
+            self._call_hooks("log", read.last, values)
 
     def _diagnose(self, step: int) -> str | None:
         """The cause of step ``step``'s non-finite loss, when a label explains it (the

@@ -27,9 +27,10 @@ class StepProfiler:
         self.directory = directory / f"process_{jax.process_index()}"
         self.active = False
 
-    def before(self, step: int) -> None:
-        """Starts the trace before the first traced step is queued."""
-        if self.first and step == self.first:
+    def before(self, step: int, last: int | None = None) -> None:
+        """Starts the trace before the dispatch of steps ``step .. last`` (``last``:
+        ``step``) that holds the first traced step is queued."""
+        if self.first and step <= self.first <= (step if last is None else last):
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory))
             self.active = True

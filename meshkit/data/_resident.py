@@ -1,0 +1,293 @@
+"""A dataset placed on the devices once, and batches gathered from it on the devices.
+
+A small in-memory dataset (the digits, MNIST, CIFAR-10) fits on every accelerator many
+times over. Copying each batch from the host costs more than the step of a small
+model, so a resident pipeline copies the whole dataset once and each step only sends
+the batch's source indices (``int32[rows]``); the rows are gathered on the devices.
+
+Two layouts, chosen by size against ``resident_limit_bytes`` per device:
+
+- replicated: every device holds the whole dataset; each device gathers its own rows
+  of the batch (no communication);
+- sharded: the dataset's rows are split over the batch's data axes; each device
+  gathers the batch rows it holds, zeros elsewhere, and a reduce-scatter over the data
+  axes hands every device its rows of the batch (one collective of one batch's size).
+
+Either way the batch equals, bit for bit, the one the host pipeline builds from the
+same indices: the gather copies the stored values, and the sharded layout adds them
+as unsigned integers of the same width (a value plus zeros), so no bit pattern (not
+even ``-0.0`` or a NaN payload) changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshkit._batch import leading_dim_shards
+from meshkit._specs import spec_axis_names
+
+ResidentMode = Literal["replicated", "sharded"]
+
+RESIDENT_SHARE = 0.25
+"""The share of a device's memory a resident dataset may take by default; the rest is
+left for the model, its optimizer state and the step's activations."""
+
+LIMIT_VARIABLE = "MESHKIT_RESIDENT_BYTES"
+"""Environment variable: the bytes per device a resident dataset may take (overrides
+``RESIDENT_SHARE`` of the device's memory)."""
+
+
+def device_memory_bytes(device: jax.Device) -> int:
+    """A device's memory: its allocator's limit on accelerators, a share of RAM on CPUs.
+
+    CPU devices (fake devices included) share the host's memory, so each is given an
+    equal part of it.
+    """
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, jax.local_device_count())
+
+
+def resident_limit_bytes(device: jax.Device) -> tuple[int, str]:
+    """The bytes per device a resident dataset may take, and where the figure came from."""
+    value = os.environ.get(LIMIT_VARIABLE)
+    if value:
+        try:
+            return int(float(value)), f"{LIMIT_VARIABLE}={value}"
+        except ValueError:
+            raise ValueError(
+                f"{LIMIT_VARIABLE} must be a number of bytes per device, got {value!r}."
+            ) from None
+    memory = device_memory_bytes(device)
+    share = int(memory * RESIDENT_SHARE)
+    return share, f"a quarter of the device's {format_bytes(memory)}"
+
+
+def format_bytes(count: float) -> str:
+    """``1.5 GiB``, ``12.0 MiB``, ``640 B``: a byte count in a unit that fits it."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} B"
+
+
+def device_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays in the dtypes JAX stores them in (64-bit types narrowed unless x64 is on),
+    so the bytes counted are the bytes placed and a batch matches the host's exactly."""
+    out = {}
+    for key, value in arrays.items():
+        array = np.asarray(value)
+        dtype = jax.dtypes.canonicalize_dtype(array.dtype)
+        out[key] = array if array.dtype == dtype else array.astype(dtype)
+    return out
+
+
+def _bytes_per_row(arrays: Mapping[str, np.ndarray]) -> int:
+    return sum(value[0].nbytes if len(value) else 0 for value in arrays.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it keys compiled programs
+class ResidentData:
+    """A dataset on the devices, and how a batch is gathered from it.
+
+    Attributes:
+      arrays: field name -> global array of all the examples (replicated, or rows
+        split over the data axes and padded to a whole number of shards).
+      mode: ``"replicated"`` or ``"sharded"``.
+      batch_sharding: the sharding of a batch (rows over the data axes).
+      num_examples: the examples stored (without padding).
+      bytes_per_device: what the dataset takes on each device.
+    """
+
+    arrays: dict[str, jax.Array]
+    mode: ResidentMode
+    batch_sharding: NamedSharding
+    num_examples: int
+    bytes_per_device: int
+
+    @property
+    def index_sharding(self) -> NamedSharding:
+        """How a step's indices are placed: like the batch (replicated layout: each
+        device gathers its rows), or replicated (sharded layout: each device looks for
+        every row of the batch in its part)."""
+        if self.mode == "replicated":
+            return self.batch_sharding
+        return NamedSharding(self.batch_sharding.mesh, PartitionSpec())
+
+    def gather(self, arrays: Mapping[str, jax.Array], indices: jax.Array) -> dict[str, jax.Array]:
+        """The batch of ``indices`` (traced inside a jitted step; ``arrays`` is ``self.arrays``
+        passed as an argument, so the dataset is never a constant of the program)."""
+        if self.mode == "replicated":
+            return {
+                key: jax.lax.with_sharding_constraint(
+                    jnp.take(value, indices, axis=0, mode="clip"), self.batch_sharding
+                )
+                for key, value in arrays.items()
+            }
+        return _sharded_gather(self.batch_sharding, dict(arrays), indices)
+
+    def describe(self) -> str:
+        """``resident (replicated, 4.5 MiB per device)``: for a run's summary."""
+        return f"resident ({self.mode}, {format_bytes(self.bytes_per_device)} per device)"
+
+
+def choose_layout(
+    arrays: Mapping[str, np.ndarray],
+    batch_sharding: NamedSharding,
+    *,
+    mode: ResidentMode | None = None,
+    what: str = "The training data",
+) -> tuple[ResidentMode, int]:
+    """The layout of ``arrays`` on the devices and the bytes it takes per device.
+
+    ``mode=None`` replicates when the dataset fits within ``resident_limit_bytes`` of
+    one device, and splits its rows over the data axes when only a part fits. Nothing
+    is placed: a pipeline calls this when it is built, so a dataset that fits nowhere
+    is refused before anything compiles.
+
+    Raises:
+      ValueError: it fits in neither layout; the message gives both sizes, the limit
+        and the ways out.
+    """
+    arrays = device_arrays(arrays)
+    num_examples = len(next(iter(arrays.values())))
+    shards = leading_dim_shards(batch_sharding)
+    row_bytes = _bytes_per_row(arrays)
+    replicated = num_examples * row_bytes
+    sharded = -(-num_examples // shards) * row_bytes
+    if mode == "replicated":
+        return mode, replicated
+    if mode == "sharded":
+        return mode, sharded
+    mesh = batch_sharding.mesh
+    assert isinstance(mesh, Mesh)
+    limit, source = resident_limit_bytes(mesh.devices.flat[0])
+    if replicated <= limit:
+        return "replicated", replicated
+    if sharded <= limit and shards > 1:
+        return "sharded", sharded
+    raise ValueError(
+        _too_large(
+            what,
+            replicated=replicated,
+            sharded=sharded,
+            shards=shards,
+            limit=limit,
+            source=source,
+        )
+    )
+
+
+def place_resident(
+    arrays: Mapping[str, np.ndarray], batch_sharding: NamedSharding, mode: ResidentMode
+) -> ResidentData:
+    """Places ``arrays`` (one row per example) on the batch sharding's mesh in ``mode``
+    (from ``choose_layout``); every process passes the whole dataset."""
+    arrays = device_arrays(arrays)
+    num_examples = len(next(iter(arrays.values())))
+    mesh = batch_sharding.mesh
+    assert isinstance(mesh, Mesh)
+    _, per_device = choose_layout(arrays, batch_sharding, mode=mode)
+    if mode == "replicated":
+        sharding = NamedSharding(mesh, PartitionSpec())
+        placed = {key: _place(value, sharding) for key, value in arrays.items()}
+    else:
+        shards = leading_dim_shards(batch_sharding)
+        rows = -(-num_examples // shards) * shards
+        sharding = NamedSharding(mesh, PartitionSpec(batch_sharding.spec[0]))
+        placed = {key: _place(_pad_rows(value, rows), sharding) for key, value in arrays.items()}
+    return ResidentData(placed, mode, batch_sharding, num_examples, per_device)
+
+
+def _too_large(
+    what: str, *, replicated: int, sharded: int, shards: int, limit: int, source: str
+) -> str:
+    split = (
+        f", or {format_bytes(sharded)} per device with its rows split over the {shards} data shards"
+        if shards > 1
+        else ""
+    )
+    return (
+        f"{what} needs {format_bytes(replicated)} on every device to be resident{split}; "
+        f"resident data may take {format_bytes(limit)} per device ({source}). Read batches "
+        f"from the host instead (resident=False; --input host in the recipes), or set "
+        f"{LIMIT_VARIABLE} to the bytes per device it may take."
+    )
+
+
+def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    if len(array) == rows:
+        return array
+    pad = np.zeros((rows - len(array), *array.shape[1:]), array.dtype)
+    return np.concatenate([array, pad])
+
+
+def _place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from the full host array every process holds (no communication)."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _sharded_gather(
+    batch_sharding: NamedSharding, arrays: dict[str, jax.Array], indices: jax.Array
+) -> dict[str, jax.Array]:
+    """Each device gathers the rows of the batch it stores, zeros elsewhere; a
+    reduce-scatter over the data axes adds the parts (as unsigned integers: exact) and
+    hands each device its rows."""
+    mesh = batch_sharding.mesh
+    axes = tuple(spec_axis_names(batch_sharding.spec[:1]))
+    data_spec = PartitionSpec(batch_sharding.spec[0])
+
+    def local(arrays: dict[str, jax.Array], indices: jax.Array) -> dict[str, jax.Array]:
+        rows = next(iter(arrays.values())).shape[0]  # this device's part
+        offset = indices - jax.lax.axis_index(axes) * rows
+        held = (offset >= 0) & (offset < rows)
+        out = {}
+        for key, value in arrays.items():
+            bits = _as_unsigned(value)
+            taken = jnp.take(bits, jnp.clip(offset, 0, rows - 1), axis=0)
+            mask = held.reshape(held.shape + (1,) * (taken.ndim - held.ndim))
+            summed = jax.lax.psum_scatter(
+                jnp.where(mask, taken, jnp.zeros((), taken.dtype)),
+                axes,
+                scatter_dimension=0,
+                tiled=True,
+            )
+            out[key] = _from_unsigned(summed, value.dtype)
+        return out
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(dict.fromkeys(arrays, data_spec), PartitionSpec()),
+        out_specs=dict.fromkeys(arrays, data_spec),
+        check_vma=False,
+    )(arrays, indices)
+
+
+def _as_unsigned(array: jax.Array) -> jax.Array:
+    if array.dtype == jnp.bool_:
+        return array.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(array, _UNSIGNED[array.dtype.itemsize])
+
+
+def _from_unsigned(array: jax.Array, dtype: Any) -> jax.Array:
+    if dtype == jnp.bool_:
+        return array.astype(jnp.bool_)
+    return jax.lax.bitcast_convert_type(array, dtype)

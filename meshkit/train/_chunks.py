@@ -1,0 +1,258 @@
+"""Many steps per dispatch: the train step scanned over a chunk of batches in one program.
+
+A small model's step takes a few microseconds of device time and about as long again
+on the host to dispatch. ``chunk_program`` runs ``n`` steps inside one jitted program
+(``lax.scan``): the batches come in stacked (host input) or are gathered on the
+devices from their source indices (resident data), the metrics are summed on the
+device as in ``MetricSums``, and each log interval that closes inside the chunk is
+emitted as one row of a small stacked output, so log lines are the same whatever the
+chunk size. ``ChunkSizes`` says how many steps each dispatch takes: a fixed number, or
+``'auto'``, which measures the dispatch overhead at the start of the run.
+
+The state after ``n`` steps is the state after the same ``n`` steps run one per
+dispatch, up to how XLA fuses the step inside a loop body (float sums can associate
+differently: a few ulps over hundreds of steps on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from meshkit._host import replicated_sharding
+from meshkit.train._interval import Interval, MetricLayout, _add
+
+BatchOf = Callable[[Any, Any], Any]
+"""``batch_of(data, x) -> batch``: one step's batch from the chunk's per-step input ``x``
+(a batch itself, or source indices into the resident ``data``)."""
+
+ChunkFn = Callable[[Any, Interval, Any, Any, int], tuple[Any, Interval, Interval]]
+
+
+def chunk_program(
+    train_step: Callable[..., Any],
+    layout: MetricLayout,
+    state_shardings: Any,
+    mesh: Mesh,
+    *,
+    donate_state: bool,
+    batch_of: BatchOf,
+    log_every: int,
+) -> ChunkFn:
+    """``run(state, interval, data, xs, first_step) -> (state, interval, rows)``.
+
+    Runs one step per leading entry of ``xs`` (steps ``first_step, first_step + 1,
+    ...``). ``rows`` stacks the running interval after each step; after a step that
+    closes a log line (a multiple of ``log_every``) the carried interval starts again
+    from zeros, so row ``k`` of such a step is that line's whole interval. The same
+    arguments give the same jitted function (a second ``fit`` compiles nothing), and it
+    carries the train step's name, so compile counts by that name keep their meaning.
+    """
+    leaves, treedef = jax.tree.flatten(state_shardings)
+    return _chunk_program(
+        train_step,
+        layout,
+        (treedef, tuple(leaves)),
+        mesh,
+        donate_state=donate_state,
+        batch_of=batch_of,
+        log_every=log_every,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_program(
+    train_step: Callable[..., Any],
+    layout: MetricLayout,
+    state_shardings: tuple[Any, tuple[Any, ...]],
+    mesh: Mesh,
+    *,
+    donate_state: bool,
+    batch_of: BatchOf,
+    log_every: int,
+) -> ChunkFn:
+    treedef, sharding_leaves = state_shardings
+    replicated = replicated_sharding(mesh)
+
+    def run(state: Any, interval: Interval, data: Any, xs: Any, first_step: Any):
+        def one_step(carry: tuple[Any, Interval, jax.Array], x: Any):
+            state, interval, step = carry
+            state, metrics = train_step(state, batch_of(data, x))
+            interval = _add(layout, interval, metrics)
+            closes = step % log_every == 0
+            restarted = Interval(*(jnp.where(closes, jnp.zeros_like(v), v) for v in interval))
+            return (state, restarted, step + 1), interval
+
+        start = jnp.asarray(first_step, jnp.int32)
+        (state, interval, _), rows = jax.lax.scan(one_step, (state, interval, start), xs)
+        return state, interval, rows
+
+    name = getattr(train_step, "__name__", "train_step")
+    run.__name__ = run.__qualname__ = name
+    return jax.jit(
+        run,
+        out_shardings=(jax.tree.unflatten(treedef, sharding_leaves), replicated, replicated),
+        donate_argnums=(0,) if donate_state else (),
+    )
+
+
+OVERHEAD_TARGET = 0.03
+"""``'auto'`` chooses the smallest chunk whose dispatch overhead is below this share of
+the time per step."""
+
+MAX_AUTO_STEPS = 256
+"""The largest chunk ``'auto'`` chooses."""
+
+_WARM_STEPS = 4  # untimed one-step dispatches after the compile, before the timing
+_TIMED_STEPS = 24  # one-step dispatches timed together
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Seconds per step at two chunk sizes, and what they say about the dispatch cost.
+
+    ``per_step(n) = device + overhead / n``: ``overhead`` is what each dispatch adds
+    (host work, launch and the gap it leaves on the device), ``device`` the step itself.
+    """
+
+    one: float
+    probe_steps: int
+    probe: float
+
+    @property
+    def overhead(self) -> float:
+        """Seconds a dispatch adds, from the two rates."""
+        return max(0.0, (self.one - self.probe) / (1 - 1 / self.probe_steps))
+
+    @property
+    def device(self) -> float:
+        """Seconds of a step without its dispatch."""
+        return max(self.one - self.overhead, 1e-9)
+
+    def share(self, steps: int) -> float:
+        """The dispatch's share of the time per step, at ``steps`` per dispatch."""
+        cost = self.overhead / steps
+        return cost / (self.device + cost)
+
+
+def auto_steps(measured: Measurement, period: int, *, target: float = OVERHEAD_TARGET) -> int:
+    """The smallest divisor of ``period`` (up to ``MAX_AUTO_STEPS``) whose dispatch share
+    is below ``target``; the largest such divisor when none is.
+
+    Divisors of the period between checkpoints and evaluations keep every chunk whole:
+    no step runs in a shorter chunk except around a resume or the last step.
+
+    Examples:
+        >>> fast = Measurement(one=48e-6, probe_steps=50, probe=17e-6)  # tiny MLP on a CPU
+        >>> auto_steps(fast, 100), auto_steps(fast, 96), auto_steps(fast, 10)
+        (100, 96, 10)
+        >>> slow = Measurement(one=20e-3, probe_steps=50, probe=19.99e-3)  # a big step
+        >>> auto_steps(slow, 100)
+        1
+    """
+    divisors = [d for d in range(1, min(period, MAX_AUTO_STEPS) + 1) if period % d == 0]
+    for steps in divisors:
+        if measured.share(steps) <= target:
+            return steps
+    return divisors[-1]
+
+
+def probe_steps(period: int) -> int:
+    """The chunk size ``'auto'`` times against one-step dispatches: the largest divisor of
+    ``period`` that is at most 64 and leaves room for two chunks in one period."""
+    bound = max(1, min(64, period // 2))
+    return max(d for d in range(1, bound + 1) if period % d == 0)
+
+
+StepsPerDispatch = int | Literal["auto"]
+
+
+class ChunkSizes:
+    """How many steps each dispatch takes, and, for ``'auto'``, the measurement that decides.
+
+    The loop asks ``timing_group(room)`` and then ``next(room)`` (``room``: steps left
+    before the next checkpoint, evaluation or the end). A fixed size runs whole chunks
+    and, where fewer steps than a chunk are left, one step per dispatch: two compiled
+    sizes in all. ``'auto'`` starts with one-step dispatches: a few to warm up, then a
+    timed group of them; then one chunk of ``probe_steps(period)`` (its compile), a
+    timed group of two such chunks, and from there on ``auto_steps``'s choice. A timed
+    group lies inside one segment between boundaries, so no save or evaluation is
+    timed with it; the loop waits for the devices around it and reports its seconds
+    to ``timed``.
+    """
+
+    def __init__(self, setting: StepsPerDispatch, period: int):
+        self.setting = setting
+        self.period = period
+        self.chosen: int | None = setting if isinstance(setting, int) else None
+        self.measurement: Measurement | None = None
+        self.probe = probe_steps(period)
+        self._phase: Literal["warm", "time", "compile", "probe", "done"] = "warm"
+        self._warm_left = _WARM_STEPS
+        self._one: float | None = None
+        if self.chosen is None and self.probe == 1:
+            self.chosen = 1  # boundaries every step or two: nothing to gain
+
+    def timing_group(self, room: int) -> tuple[int, int] | None:
+        """``(dispatches, steps each)`` to run and time as one group now, or ``None``."""
+        if self.chosen is not None:
+            return None
+        if self._phase == "time" and room >= _TIMED_STEPS:
+            return _TIMED_STEPS, 1
+        if self._phase == "probe" and room >= 2 * self.probe:
+            return 2, self.probe
+        return None
+
+    def next(self, room: int) -> int:
+        """The steps of the next dispatch outside a timed group (``1 <= steps <= room``)."""
+        if self.chosen is not None:
+            return self.chosen if room >= self.chosen else 1
+        if self._phase == "compile" and room >= self.probe:
+            return self.probe
+        return 1
+
+    def ran(self, steps: int) -> None:
+        """Counts a dispatch of ``steps`` steps outside a timed group."""
+        if self._phase == "warm":
+            self._warm_left -= steps
+            if self._warm_left <= 0:
+                self._phase = "time"
+        elif self._phase == "compile" and steps == self.probe:
+            self._phase = "probe"
+
+    def timed(self, steps: int, seconds: float) -> None:
+        """Records a timed group of ``steps`` steps in all that took ``seconds``."""
+        if self._phase == "time":
+            self._one = seconds / steps
+            self._phase = "compile"
+        elif self._phase == "probe":
+            assert self._one is not None
+            self.measurement = Measurement(self._one, self.probe, seconds / steps)
+            self.chosen = auto_steps(self.measurement, self.period)
+            self._phase = "done"
+
+    def describe(self) -> str:
+        """``100 steps per dispatch (auto: 31 us per dispatch, 16 us per step)``."""
+        steps = self.chosen or 1
+        text = f"{steps} step{'s' if steps != 1 else ''} per dispatch"
+        if self.measurement is not None:
+            m = self.measurement
+            text += (
+                f" (auto: {m.overhead * 1e6:.0f} us per dispatch, {m.device * 1e6:.0f} us per step)"
+            )
+        elif self.setting == "auto":
+            text += " (auto: the run ended before the measurement)"
+        return text
+
+
+def boundary_period(*periods: int | None) -> int:
+    """The steps between boundaries that recur: the gcd of the given periods."""
+    given = [p for p in periods if p]
+    return math.gcd(*given) if given else 1

@@ -1,0 +1,117 @@
+"""Where a chunk of steps gets its input: batches from the host, or indices into resident data.
+
+Both feeds hand ``fit``'s chunk program ``(data, xs)``: ``xs`` has one leading entry
+per step (a stacked batch, or the batch's source indices) and ``batch_of(data, x)``
+turns one entry into the step's batch inside the program. Both keep the data state a
+checkpoint records (the same as ``GlobalBatchIterator``'s, so a run saved with one
+feed resumes with the other) and the seconds spent waiting for input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from meshkit._batch import place_stacked_rows
+from meshkit.data import TrainPipeline
+from meshkit.data._iterator import check_state
+
+
+def whole_batch(data: Any, x: Any) -> Any:
+    """``batch_of`` for host input: the entry is the batch."""
+    del data
+    return x
+
+
+class _Feed:
+    """The step counter, data state and input timings both feeds share."""
+
+    def __init__(self, pipeline: TrainPipeline, state: Mapping[str, Any] | None):
+        self.pipeline = pipeline
+        self.step = 0 if state is None else check_state(pipeline, state)
+        self.wait_seconds = 0.0
+        """Time spent building and placing chunks' input, after the first."""
+        self.startup_seconds = 0.0
+        """Time the first chunk's input took (resident data: placing the dataset)."""
+        self._started = False
+
+    def next_chunk(self, steps: int) -> tuple[Any, Any]:
+        """``(data, xs)`` for the next ``steps`` steps; the data state moves past them."""
+        began = time.perf_counter()
+        try:
+            out = self._chunk(steps)
+            self.step += steps
+            return out
+        finally:
+            seconds = time.perf_counter() - began
+            if self._started:
+                self.wait_seconds += seconds
+            else:
+                self.startup_seconds += seconds
+                self._started = True
+
+    def _chunk(self, steps: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """The JSON-able data state to checkpoint beside the model."""
+        return {"step": self.step, **self.pipeline.state_fields()}
+
+    def close(self) -> None:
+        """Releases what the feed holds."""
+
+
+class HostChunks(_Feed):
+    """Chunks of host batches: ``steps`` of this process's batches stacked, placed at once."""
+
+    batch_of = staticmethod(whole_batch)
+
+    def __init__(self, pipeline: TrainPipeline, state: Mapping[str, Any] | None = None):
+        super().__init__(pipeline, state)
+        self._local: Iterator[Any] | None = None
+
+    def _chunk(self, steps: int) -> tuple[Any, Any]:
+        if self._local is None:
+            self._local = iter(self.pipeline.local_batches(self.step))
+        batches = [next(self._local) for _ in range(steps)]
+        if steps == 1:
+            stacked = {key: np.asarray(value)[None] for key, value in batches[0].items()}
+        else:
+            stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
+        pipeline = self.pipeline
+        return None, place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
+
+    def describe(self) -> str:
+        """How input reaches the devices, for a run's summary."""
+        return "host"
+
+    def close(self) -> None:
+        close = getattr(self._local, "close", None)
+        if close is not None:
+            close()
+        self._local = None
+
+
+class ResidentChunks(_Feed):
+    """Chunks of source indices into the dataset the pipeline placed on the devices."""
+
+    def __init__(self, pipeline: TrainPipeline, state: Mapping[str, Any] | None = None):
+        super().__init__(pipeline, state)
+        resident = pipeline.resident_data  # placed now: timed as the feed's start-up
+        assert resident is not None
+        self.resident = resident
+        self.batch_of = resident.gather
+
+    def _chunk(self, steps: int) -> tuple[Any, Any]:
+        indices = self.pipeline.chunk_indices(self.step, steps)
+        placed = place_stacked_rows(
+            indices, self.resident.index_sharding, self.pipeline.global_batch_size
+        )
+        return self.resident.arrays, placed
+
+    def describe(self) -> str:
+        """How input reaches the devices, for a run's summary."""
+        return self.resident.describe()
