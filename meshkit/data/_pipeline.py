@@ -300,9 +300,10 @@ class TrainPipeline(_Pipeline):
                 f"resident must be True, False, 'replicated' or 'sharded', got {resident!r}."
             )
         if self.transform is not None:
+            name = getattr(self.transform, "__name__", type(self.transform).__name__)
             raise ValueError(
                 f"resident={resident!r} gathers batches on the devices, where the host "
-                f"transform {type(self.transform).__name__} cannot run. Pass transform=None "
+                f"transform {name} cannot run. Pass transform=None "
                 "(convert the arrays once, before building the source) and augment in the "
                 "step with meshkit.data.image.device_augmentation(...).wrap(loss_fn), or "
                 "keep resident=False."

@@ -1,0 +1,316 @@
+"""Resident datasets and many steps per dispatch: the same batches and the same training.
+
+References: the host pipeline's own batches (bit for bit, several epochs, a batch that
+does not divide the dataset), and ``fit`` with host input and one step per dispatch
+(state and every logged metric).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit import data, train
+from meshkit.ensemble import EnsembleLayout, MemberTrainPipeline
+from meshkit.testing import run_processes
+from meshkit.train._chunks import ChunkSizes, Measurement, auto_steps, probe_steps
+from meshkit.train._feeds import ResidentChunks
+
+STEPS = 9  # three epochs of 50 examples at batch 16 (2 examples dropped per epoch)
+
+
+class TinyMLP(nn.Module):
+    """The benchmark's tiny MLP: 64 inputs, 32 hidden units, 10 classes."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+
+def odd_source() -> data.ArraySource:
+    """Fields of four kinds, signed zeros included (a sum would lose their sign)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 3)).astype(np.float32)
+    x[::7] = -0.0
+    return data.ArraySource(
+        {
+            "x": x,
+            "image": rng.integers(0, 256, (50, 4, 4, 1), dtype=np.uint8),
+            "label": rng.integers(0, 10, 50),
+            "flag": rng.random(50) < 0.5,
+        }
+    )
+
+
+def resident_batches(pipeline: data.TrainPipeline, steps: int) -> list[dict[str, np.ndarray]]:
+    """Batches ``0 .. steps - 1`` as ``fit`` gathers them on the devices."""
+    feed = ResidentChunks(pipeline)
+    stored, indices = feed.next_chunk(steps)
+    gathered = jax.jit(lambda d, xs: jax.lax.map(lambda x: feed.batch_of(d, x), xs))(
+        stored, indices
+    )
+    host = meshkit.to_host(gathered)
+    return [{key: value[k] for key, value in host.items()} for k in range(steps)]
+
+
+def host_batches(pipeline: data.TrainPipeline, steps: int) -> list[dict[str, np.ndarray]]:
+    with data.GlobalBatchIterator(pipeline) as batches:
+        return [meshkit.to_host(next(batches)) for _ in range(steps)]
+
+
+def assert_bit_identical(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert sorted(x) == sorted(y)
+        for key in x:
+            assert x[key].dtype == y[key].dtype, key
+            assert x[key].tobytes() == y[key].tobytes(), key
+
+
+def streams(mesh_text: str, mode: str) -> tuple[list[dict], list[dict], str, int]:
+    sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh_text))
+    common: dict[str, Any] = {"global_batch_size": 16, "sharding": sharding, "seed": 3}
+    resident = data.TrainPipeline(odd_source(), resident=mode, **common)
+    host = data.TrainPipeline(odd_source(), **common)
+    return (
+        resident_batches(resident, STEPS),
+        host_batches(host, STEPS),
+        str(resident.resident_mode),
+        resident.resident_bytes,
+    )
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_resident_batches_equal_the_host_pipelines_bit_for_bit(mode):
+    got, expected, placed, per_device = streams("data=-1", mode)
+    assert_bit_identical(got, expected)
+    assert placed == mode
+    rows = 50 if mode == "replicated" else -(-50 // jax.device_count())
+    assert per_device == rows * (3 * 4 + 16 + 4 + 1)  # x, image, label (int32), flag
+
+
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
+def test_rows_split_over_two_data_axes_gather_the_same_batches():
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("replica=2,data=4"), ("replica", "data"))
+    common: dict[str, Any] = {"global_batch_size": 16, "sharding": sharding, "seed": 3}
+    got = resident_batches(data.TrainPipeline(odd_source(), resident="sharded", **common), 4)
+    assert_bit_identical(got, host_batches(data.TrainPipeline(odd_source(), **common), 4))
+
+
+@pytest.mark.once
+def test_each_member_gathers_its_own_order():
+    layout = EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 3)
+    common: dict[str, Any] = {"global_batch_size": 16, "sharding": layout.batch_sharding}
+    resident = MemberTrainPipeline(odd_source(), 3, resident=True, **common)
+    host = MemberTrainPipeline(odd_source(), 3, **common)
+    got = resident_batches(resident, 4)
+    assert got[0]["x"].shape == (16, 3, 3)
+    assert_bit_identical(got, host_batches(host, 4))
+
+
+@pytest.mark.once
+def test_a_dataset_that_fits_nowhere_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1000")
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    with pytest.raises(ValueError) as error:
+        data.TrainPipeline(odd_source(), global_batch_size=16, sharding=sharding, resident=True)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "1.6 KiB on every device" in message
+    assert "1000 B per device (MESHKIT_RESIDENT_BYTES=1000)" in message
+    assert "resident=False" in message
+
+
+@pytest.mark.once(8)
+@pytest.mark.devices(8)
+def test_a_dataset_too_large_for_one_device_is_split_over_the_data_axis(monkeypatch):
+    monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1000")
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    pipeline = data.TrainPipeline(
+        odd_source(), global_batch_size=16, sharding=sharding, resident=True
+    )
+    assert pipeline.resident_mode == "sharded"
+    assert pipeline.resident_bytes == 7 * 33  # 50 rows over 8 devices: 7 each
+
+
+@pytest.mark.once
+def test_resident_input_refuses_host_transforms_and_unknown_layouts():
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    with pytest.raises(ValueError, match="host transform augment cannot run"):
+
+        def augment(record, rng):
+            return record
+
+        data.TrainPipeline(
+            odd_source(), global_batch_size=16, sharding=sharding, resident=True, transform=augment
+        )
+    with pytest.raises(ValueError, match="resident must be True, False, 'replicated' or"):
+        data.TrainPipeline(odd_source(), global_batch_size=16, sharding=sharding, resident="yes")
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("value", [0, -3, 2.5, "fast", True])
+def test_steps_per_dispatch_must_be_a_positive_int_or_auto(value):
+    with pytest.raises((TypeError, ValueError), match="Dispatch\\(steps_per_dispatch=...\\)"):
+        train.Dispatch(steps_per_dispatch=value)
+
+
+@pytest.mark.once
+def test_auto_measures_then_keeps_the_smallest_cheap_divisor_of_the_period():
+    sizes = ChunkSizes("auto", period=100)
+    assert sizes.probe == probe_steps(100) == 50
+    for _ in range(4):  # warm-up: one step per dispatch, untimed
+        assert sizes.timing_group(room=100) is None
+        assert sizes.next(room=100) == 1
+        sizes.ran(1)
+    assert sizes.timing_group(room=10) is None  # no room for the timed group here
+    assert sizes.timing_group(room=100) == (24, 1)
+    sizes.timed(24, 24 * 48e-6)
+    assert sizes.next(room=30) == 1  # the probe chunk's compile waits for room
+    assert sizes.next(room=60) == 50
+    sizes.ran(50)
+    assert sizes.timing_group(room=99) is None
+    assert sizes.timing_group(room=100) == (2, 50)
+    sizes.timed(100, 100 * 17e-6)
+    assert sizes.chosen == 100
+    assert sizes.next(room=100) == 100 and sizes.next(room=40) == 1
+    assert "100 steps per dispatch (auto: 32 us per dispatch, 16 us per step)" == sizes.describe()
+    slow = Measurement(one=0.1, probe_steps=50, probe=0.1)
+    assert auto_steps(slow, 100) == 1
+
+
+# --- fit: the same training whatever the input path and the steps per dispatch -------
+
+_STEPS = 200
+_TX = optax.sgd(0.05, momentum=0.9)
+_MODEL = train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
+
+
+def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: int | str, num_steps: int = _STEPS):
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    state = train.create_train_state(_MODEL, _TX, mesh, seed=0)
+    step = _train_step(sharding, train.state_shardings_of(state))
+    pipeline = data.TrainPipeline(
+        data.digits("train"), global_batch_size=64, sharding=sharding, resident=resident
+    )
+    result = train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=num_steps,
+        workdir=workdir,
+        checkpoints=train.Checkpoints(every=50),
+        logging=train.Logging(every=10, progress=False),
+        dispatch=train.Dispatch(steps_per_dispatch=steps_per_dispatch),
+    )
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = {line["step"]: line["loss"] for line in lines if "loss" in line}
+    return result, logged
+
+
+_STEP_CACHE: dict[Any, Any] = {}
+
+
+def _train_step(sharding, shardings):
+    key = (sharding, jax.device_count())
+    if key not in _STEP_CACHE:
+        _STEP_CACHE[key] = train.make_train_step(train.classification_loss, shardings, sharding)
+    return _STEP_CACHE[key]
+
+
+@pytest.fixture(scope="module")
+def per_step_reference(tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("host"), resident=False, steps_per_dispatch=1)
+
+
+@pytest.mark.parametrize(
+    ("resident", "steps_per_dispatch", "compiles"),
+    [(True, 1, 1), (False, 8, 2), (True, 8, 2), (True, "auto", 3)],
+)
+def test_fit_trains_alike_for_every_input_path_and_chunk_size(
+    tmp_path, per_step_reference, resident, steps_per_dispatch, compiles
+):
+    reference, reference_log = per_step_reference
+    result, logged = _fit(tmp_path, resident=resident, steps_per_dispatch=steps_per_dispatch)
+    assert result.step == _STEPS
+    assert sorted(logged) == sorted(reference_log)  # every 10 steps, whatever the chunk
+    for step, loss in reference_log.items():
+        np.testing.assert_allclose(logged[step], loss, rtol=1e-6)
+    for got, expected in zip(
+        jax.tree.leaves(meshkit.to_host(result.state.params)),
+        jax.tree.leaves(meshkit.to_host(reference.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert result.train_step_compiles == compiles  # one per chunk size (auto: a probe too)
+    assert result.input_path.startswith("resident (replicated" if resident else "host")
+    if steps_per_dispatch == 8:
+        assert result.steps_per_dispatch == 8
+    checkpoints = sorted(
+        int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()
+    )
+    assert checkpoints == [100, 150, 200]  # chunks end at every boundary
+
+
+@pytest.mark.once
+def test_a_resident_run_resumes_exactly_where_a_host_run_stopped(tmp_path):
+    _fit(tmp_path, resident=False, steps_per_dispatch=1, num_steps=50)
+    resumed, _ = _fit(tmp_path, resident=True, steps_per_dispatch=8, num_steps=100)
+    assert resumed.resumed_from == 50
+    straight, _ = _fit(tmp_path / "straight", resident=True, steps_per_dispatch=8, num_steps=100)
+    for got, expected in zip(
+        jax.tree.leaves(meshkit.to_host(resumed.state.params)),
+        jax.tree.leaves(meshkit.to_host(straight.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.once
+def test_a_plain_python_step_is_refused_for_chunks_with_the_way_out(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    pipeline = data.TrainPipeline(data.digits("train"), global_batch_size=64, sharding=sharding)
+
+    def plain(state, batch):
+        return state, {"loss": jnp.mean(batch["image"])}
+
+    with pytest.raises(TypeError, match="need a jitted train step"):
+        train.fit(
+            jnp.zeros(()),
+            plain,
+            pipeline,
+            num_steps=4,
+            workdir=tmp_path,
+            dispatch=train.Dispatch(steps_per_dispatch=2),
+        )
+
+
+# --- several processes ------------------------------------------------------------------
+
+
+def child_streams() -> dict[str, tuple[list[dict], list[dict]]]:
+    """Each layout's resident batches and the host pipeline's, in this process."""
+    return {mode: streams("data=-1", mode)[:2] for mode in ("replicated", "sharded")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.devices(8)
+def test_two_processes_gather_the_same_batches_as_the_host_pipeline_and_one_process():
+    one_process = child_streams()
+    for by_mode in run_processes(child_streams):
+        for mode, (got, host) in by_mode.items():
+            assert_bit_identical(got, host)
+            assert_bit_identical(got, one_process[mode][0])
