@@ -81,6 +81,36 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_input_options(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--input`` (``resident``: the dataset on the devices, batches gathered there;
+    ``host``: each batch copied from the host) and ``--steps-per-dispatch`` (a number,
+    or ``auto``: measured at the start of the run)."""
+    parser.add_argument(
+        "--input",
+        choices=["resident", "host"],
+        default="resident",
+        help="resident: the training set on the devices, each batch gathered there by "
+        "index (the same batches as host); host: each batch copied from the host",
+    )
+    parser.add_argument(
+        "--steps-per-dispatch",
+        type=_steps_per_dispatch,
+        default="auto",
+        metavar="N|auto",
+        help="training steps run by one compiled program; auto: the fewest that make the "
+        "dispatch overhead small, measured at the start",
+    )
+
+
+def _steps_per_dispatch(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error}, or auto") from None
+
+
 def hyperparameters(args: argparse.Namespace, *recipe_specific: str) -> dict[str, Any]:
     """The settings that decide what is learned, for ``summary.json``: the training
     options every recipe shares, the seed, and the ``recipe_specific`` names."""
@@ -144,7 +174,10 @@ def fit_options(args: argparse.Namespace, schedule: Any) -> dict[str, Any]:
         "logging": train.Logging(
             progress=not args.no_progress, writers=writers, learning_rate=schedule
         ),
-        "dispatch": train.Dispatch(profile_steps=args.profile_steps),
+        "dispatch": train.Dispatch(
+            profile_steps=args.profile_steps,
+            steps_per_dispatch=getattr(args, "steps_per_dispatch", 1),
+        ),
     }
 
 
@@ -160,6 +193,7 @@ def run_summary(result: Any) -> dict[str, Any]:
         "input_wait_fraction": result.input_wait_fraction,
         "input_startup_seconds": result.input_startup_seconds,
         "train_step_compiles": result.train_step_compiles,
+        "input": f"{result.input_path}, {result.dispatch}",
     }
 
 

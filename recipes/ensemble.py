@@ -42,6 +42,7 @@ from pathlib import Path
 
 import meshkit
 from recipes._args import (
+    add_input_options,
     add_training_options,
     fit_options,
     hyperparameters,
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
     add_training_options(parser)
+    add_input_options(parser)
     return parser.parse_args(argv)
 
 
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "global_batch_size": args.batch_size,
         "sharding": layout.batch_sharding,
         "seed": args.seed,
+        "resident": args.input == "resident",  # one copy of the data serves every member
     }
     if args.same_batches:
         pipeline = data.TrainPipeline(train_source, **pipeline_args)

@@ -237,7 +237,7 @@ def per_step_reference(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("resident", "steps_per_dispatch", "compiles"),
-    [(True, 1, 1), (False, 8, 2), (True, 8, 2), (True, "auto", 3)],
+    [(True, 1, {1}), (False, 8, {2}), (True, 8, {2}), (True, "auto", {2, 3})],
 )
 def test_fit_trains_alike_for_every_input_path_and_chunk_size(
     tmp_path, per_step_reference, resident, steps_per_dispatch, compiles
@@ -254,7 +254,8 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
         strict=True,
     ):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
-    assert result.train_step_compiles == compiles  # one per chunk size (auto: a probe too)
+    # one per chunk size: 1 and N; auto also its probe, unless it keeps the probe's size
+    assert result.train_step_compiles in compiles
     assert result.input_path.startswith("resident (replicated" if resident else "host")
     if steps_per_dispatch == 8:
         assert result.steps_per_dispatch == 8

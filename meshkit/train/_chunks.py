@@ -45,13 +45,17 @@ def chunk_program(
     donate_state: bool,
     batch_of: BatchOf,
     log_every: int,
+    unroll: bool,
 ) -> ChunkFn:
     """``run(state, interval, data, xs, first_step) -> (state, interval, rows)``.
 
     Runs one step per leading entry of ``xs`` (steps ``first_step, first_step + 1,
     ...``). ``rows`` stacks the running interval after each step; after a step that
     closes a log line (a multiple of ``log_every``) the carried interval starts again
-    from zeros, so row ``k`` of such a step is that line's whole interval. The same
+    from zeros, so row ``k`` of such a step is that line's whole interval. ``unroll``
+    writes the chunk's steps out one after another instead of a loop (XLA:CPU runs a
+    convolution inside a loop body an order of magnitude slower than outside one:
+    15x for the MNIST CNN's step; its compile time then grows with the chunk). The same
     arguments give the same jitted function (a second ``fit`` compiles nothing), and it
     carries the train step's name, so compile counts by that name keep their meaning.
     """
@@ -64,6 +68,7 @@ def chunk_program(
         donate_state=donate_state,
         batch_of=batch_of,
         log_every=log_every,
+        unroll=unroll,
     )
 
 
@@ -77,6 +82,7 @@ def _chunk_program(
     donate_state: bool,
     batch_of: BatchOf,
     log_every: int,
+    unroll: bool,
 ) -> ChunkFn:
     treedef, sharding_leaves = state_shardings
     replicated = replicated_sharding(mesh)
@@ -91,7 +97,12 @@ def _chunk_program(
             return (state, restarted, step + 1), interval
 
         start = jnp.asarray(first_step, jnp.int32)
-        (state, interval, _), rows = jax.lax.scan(one_step, (state, interval, start), xs)
+        steps = jax.tree.leaves(xs)[0].shape[0]
+        carry = (state, interval, start)
+        if steps == 1:  # no loop at all: the step as it runs on its own
+            (state, interval, _), row = one_step(carry, jax.tree.map(lambda v: v[0], xs))
+            return state, interval, jax.tree.map(lambda v: v[None], row)
+        (state, interval, _), rows = jax.lax.scan(one_step, carry, xs, unroll=unroll)
         return state, interval, rows
 
     name = getattr(train_step, "__name__", "train_step")
@@ -108,7 +119,17 @@ OVERHEAD_TARGET = 0.03
 the time per step."""
 
 MAX_AUTO_STEPS = 256
-"""The largest chunk ``'auto'`` chooses."""
+"""The largest chunk ``'auto'`` chooses on an accelerator."""
+
+MAX_AUTO_STEPS_CPU = 16
+"""The largest chunk ``'auto'`` chooses on CPUs, where chunks are unrolled (their
+compile time grows with their size)."""
+
+
+def unrolls_chunks(mesh: Mesh) -> bool:
+    """Whether chunks on ``mesh`` are unrolled: on CPUs (see ``chunk_program``)."""
+    return mesh.devices.flat[0].platform == "cpu"
+
 
 _WARM_STEPS = 4  # untimed one-step dispatches after the compile, before the timing
 _TIMED_STEPS = 24  # one-step dispatches timed together
@@ -142,9 +163,15 @@ class Measurement:
         return cost / (self.device + cost)
 
 
-def auto_steps(measured: Measurement, period: int, *, target: float = OVERHEAD_TARGET) -> int:
-    """The smallest divisor of ``period`` (up to ``MAX_AUTO_STEPS``) whose dispatch share
-    is below ``target``; the largest such divisor when none is.
+def auto_steps(
+    measured: Measurement,
+    period: int,
+    *,
+    target: float = OVERHEAD_TARGET,
+    most: int = MAX_AUTO_STEPS,
+) -> int:
+    """The smallest divisor of ``period`` (up to ``most``) whose dispatch share is below
+    ``target``; the largest such divisor when none is.
 
     Divisors of the period between checkpoints and evaluations keep every chunk whole:
     no step runs in a shorter chunk except around a resume or the last step.
@@ -157,17 +184,17 @@ def auto_steps(measured: Measurement, period: int, *, target: float = OVERHEAD_T
         >>> auto_steps(slow, 100)
         1
     """
-    divisors = [d for d in range(1, min(period, MAX_AUTO_STEPS) + 1) if period % d == 0]
+    divisors = [d for d in range(1, min(period, most) + 1) if period % d == 0]
     for steps in divisors:
         if measured.share(steps) <= target:
             return steps
     return divisors[-1]
 
 
-def probe_steps(period: int) -> int:
+def probe_steps(period: int, most: int = 64) -> int:
     """The chunk size ``'auto'`` times against one-step dispatches: the largest divisor of
-    ``period`` that is at most 64 and leaves room for two chunks in one period."""
-    bound = max(1, min(64, period // 2))
+    ``period`` that is at most ``most`` and leaves room for two chunks in one period."""
+    bound = max(1, min(most, period // 2))
     return max(d for d in range(1, bound + 1) if period % d == 0)
 
 
@@ -188,12 +215,13 @@ class ChunkSizes:
     to ``timed``.
     """
 
-    def __init__(self, setting: StepsPerDispatch, period: int):
+    def __init__(self, setting: StepsPerDispatch, period: int, *, most: int = MAX_AUTO_STEPS):
         self.setting = setting
         self.period = period
+        self.most = most
         self.chosen: int | None = setting if isinstance(setting, int) else None
         self.measurement: Measurement | None = None
-        self.probe = probe_steps(period)
+        self.probe = probe_steps(period, min(64, most))
         self._phase: Literal["warm", "time", "compile", "probe", "done"] = "warm"
         self._warm_left = _WARM_STEPS
         self._one: float | None = None
@@ -235,7 +263,7 @@ class ChunkSizes:
         elif self._phase == "probe":
             assert self._one is not None
             self.measurement = Measurement(self._one, self.probe, seconds / steps)
-            self.chosen = auto_steps(self.measurement, self.period)
+            self.chosen = auto_steps(self.measurement, self.period, most=self.most)
             self._phase = "done"
 
     def describe(self) -> str:

@@ -22,7 +22,13 @@ from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
-from meshkit.train._chunks import ChunkSizes, boundary_period
+from meshkit.train._chunks import (
+    MAX_AUTO_STEPS,
+    MAX_AUTO_STEPS_CPU,
+    ChunkSizes,
+    boundary_period,
+    unrolls_chunks,
+)
 from meshkit.train._feeds import HostChunks, ResidentChunks
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
@@ -230,6 +236,7 @@ def fit(
             settings.checkpoints.every,
             settings.evaluation.every if settings.evaluation is not None else None,
         ),
+        most=MAX_AUTO_STEPS_CPU if unrolls_chunks(mesh) else MAX_AUTO_STEPS,
     )
     batches = runner.feed
     watcher = PreemptionWatcher()

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from meshkit._host import to_host
 from meshkit.data import GlobalBatchIterator
-from meshkit.train._chunks import chunk_program
+from meshkit.train._chunks import chunk_program, unrolls_chunks
 from meshkit.train._feeds import HostChunks, ResidentChunks
 from meshkit.train._interval import (
     Interval,
@@ -173,6 +173,7 @@ class Chunked:
             donate_state=donated,
             batch_of=batch_of,
             log_every=self.log_every,
+            unroll=unrolls_chunks(self.mesh),
         )
         self._zeros = zero_interval(self._layout, self.mesh)
         return self._program
