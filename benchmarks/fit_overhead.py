@@ -11,7 +11,13 @@ three ways, interleaved A B C A B C with a fresh state every round:
   arrays (the pipeline's own ``local_batch``) and ``jax.device_put``s them, as a user
   would write without meshkit;
 - fit: ``meshkit.train.fit`` over the ``TrainPipeline`` of the same arrays, logging
-  every 10 steps, one checkpoint (the last step), no evaluation.
+  every 10 steps, one checkpoint (the last step), no evaluation: host input, one step
+  per dispatch (the default);
+- fit resident: the same with ``resident=True`` (the dataset on the devices, batches
+  gathered there by index), one step per dispatch, then N = 8, 32 and ``'auto'`` steps
+  per dispatch (``Dispatch(steps_per_dispatch=N)``).
+
+Ratios are to the bare step loop (rates, from totals).
 
 Every candidate is timed from the end of its first step (which holds the compile) to
 the end of its last, so the three rates are steady-state rates measured the same way
@@ -47,15 +53,17 @@ from meshkit.models import MnistCNN  # noqa: E402
 
 ON_CPU = jax.devices()[0].platform == "cpu"
 ROUNDS = 5
+FIT_CHUNKS: tuple[int | str, ...] = (8, 32, "auto")
+"""Steps per dispatch of the resident ``fit`` candidates (N=1 is "fit resident")."""
 
 
 class TinyMLP(nn.Module):
-    """64 inputs, 64 hidden units, 10 classes: a step of a few microseconds of math."""
+    """64 inputs, 32 hidden units, 10 classes: a step of a few microseconds of math."""
 
     @nn.compact
     def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
         x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
-        return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
 
 
 def hand_loop(
@@ -104,25 +112,44 @@ def case(
 
         return hand_loop(step, fresh_state(), next_batch, steps, wait=wait)
 
-    def fit():
-        with tempfile.TemporaryDirectory() as workdir:
-            result = train.fit(
-                fresh_state(),
-                step,
-                pipeline,
-                num_steps=steps,
-                workdir=workdir,
-                checkpoints=train.Checkpoints(every=steps),
-                logging=train.Logging(progress=False),
-            )
-        fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
-        fit_stats["compiles"].append(result.train_step_compiles)
-        return Measured((steps - 1) / result.steps_per_second)
+    resident = data.TrainPipeline(
+        source, global_batch_size=batch, sharding=sharding, seed=0, resident=True
+    )
+    chosen: dict[str, list[str]] = collections.defaultdict(list)
 
-    candidates = {"bare step": bare, "gather + device_put": gather_and_put, "fit": fit}
+    def fit(on: data.TrainPipeline, steps_per_dispatch: int | str = 1) -> Callable[[], Measured]:
+        def run() -> Measured:
+            with tempfile.TemporaryDirectory() as workdir:
+                result = train.fit(
+                    fresh_state(),
+                    step,
+                    on,
+                    num_steps=steps,
+                    workdir=workdir,
+                    checkpoints=train.Checkpoints(every=steps),
+                    logging=train.Logging(progress=False),
+                    dispatch=train.Dispatch(steps_per_dispatch=steps_per_dispatch),
+                )
+            name = f"fit {result.input_path.split(' ')[0]} N={steps_per_dispatch}"
+            fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
+            fit_stats["compiles"].append(result.train_step_compiles)
+            chosen[name].append(result.dispatch)
+            # Wall time from the end of the first step, as for the hand loops: the
+            # compiles of later chunk sizes and auto's measurement count.
+            return Measured((steps - 1) / result.steps_per_second)
+
+        return run
+
+    candidates = {
+        "bare step": bare,
+        "gather + device_put": gather_and_put,
+        "fit": fit(pipeline),
+        "fit resident": fit(resident),
+        **{f"fit resident N={n}": fit(resident, n) for n in FIT_CHUNKS},
+    }
     timings = interleave(candidates, rounds=ROUNDS, warmup=1)
     title = f"{name}, batch {batch}, {mesh.size} device(s), {steps} steps a round"
-    result = report(title, timings, baseline="gather + device_put", unit=f"{steps - 1} steps")
+    result = report(title, timings, baseline="bare step", unit=f"{steps - 1} steps")
     rate = {key: (steps - 1) / t.median for key, t in timings.items()}
     per_step = {key: 1e6 / r for key, r in rate.items()}
     result.update(
@@ -133,6 +160,8 @@ def case(
         fit_overhead_us_vs_gather_and_put=per_step["fit"] - per_step["gather + device_put"],
         fit_input_wait_fraction=max(fit_stats["input_wait_fraction"]),
         fit_train_step_compiles_per_run=fit_stats["compiles"],
+        over_bare={key: timings["bare step"].total / t.total for key, t in timings.items()},
+        auto_chose=sorted(set(chosen["fit resident N=auto"])),
     )
     print(
         "steps/s: "
@@ -141,7 +170,10 @@ def case(
         f"fit / bare {result['fit_over_bare']:.2f}x (rates, from totals); "
         f"fit overhead per step {result['fit_overhead_us_vs_bare']:.0f} us vs bare, "
         f"{result['fit_overhead_us_vs_gather_and_put']:.0f} us vs gather + device_put; "
-        f"train step compiles per fit run {fit_stats['compiles']}"
+        f"train step compiles per fit run {sorted(set(fit_stats['compiles']))}\n"
+        "rate / bare step: "
+        + ", ".join(f"{key} {value:.2f}x" for key, value in result["over_bare"].items())
+        + f"\nauto chose: {result['auto_chose']}"
     )
     return result
 
@@ -195,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if "cnn" not in models:
             continue
-        steps = 2000 if not ON_CPU else (40 if mesh.size == 1 else 20)
+        steps = 2000 if not ON_CPU else (96 if mesh.size == 1 else 64)
         results.append(
             case(
                 "MNIST CNN, 28x28 digits",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -121,14 +122,25 @@ the time per step."""
 MAX_AUTO_STEPS = 256
 """The largest chunk ``'auto'`` chooses on an accelerator."""
 
-MAX_AUTO_STEPS_CPU = 16
-"""The largest chunk ``'auto'`` chooses on CPUs, where chunks are unrolled (their
-compile time grows with their size)."""
+MAX_UNROLLED_AUTO_STEPS = 16
+"""The largest chunk ``'auto'`` chooses where chunks are unrolled (their compile time
+grows with their size)."""
 
 
-def unrolls_chunks(mesh: Mesh) -> bool:
-    """Whether chunks on ``mesh`` are unrolled: on CPUs (see ``chunk_program``)."""
-    return mesh.devices.flat[0].platform == "cpu"
+def unrolls_chunks(mesh: Mesh, jaxpr: Any) -> bool:
+    """Whether chunks of the step ``jaxpr`` on ``mesh`` are unrolled: on CPUs, for a step
+    with a convolution (see ``chunk_program``); a loop everywhere else."""
+    return mesh.devices.flat[0].platform == "cpu" and _has_convolution(jaxpr)
+
+
+def _has_convolution(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "conv_general_dilated":
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _has_convolution(sub):
+                return True
+    return False
 
 
 _WARM_STEPS = 4  # untimed one-step dispatches after the compile, before the timing
@@ -221,12 +233,16 @@ class ChunkSizes:
         self.most = most
         self.chosen: int | None = setting if isinstance(setting, int) else None
         self.measurement: Measurement | None = None
-        self.probe = probe_steps(period, min(64, most))
         self._phase: Literal["warm", "time", "compile", "probe", "done"] = "warm"
         self._warm_left = _WARM_STEPS
         self._one: float | None = None
         if self.chosen is None and self.probe == 1:
             self.chosen = 1  # boundaries every step or two: nothing to gain
+
+    @property
+    def probe(self) -> int:
+        """The chunk size timed against one-step dispatches."""
+        return probe_steps(self.period, min(64, self.most))
 
     def timing_group(self, room: int) -> tuple[int, int] | None:
         """``(dispatches, steps each)`` to run and time as one group now, or ``None``."""

@@ -22,13 +22,7 @@ from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
-from meshkit.train._chunks import (
-    MAX_AUTO_STEPS,
-    MAX_AUTO_STEPS_CPU,
-    ChunkSizes,
-    boundary_period,
-    unrolls_chunks,
-)
+from meshkit.train._chunks import MAX_UNROLLED_AUTO_STEPS, ChunkSizes, boundary_period
 from meshkit.train._feeds import HostChunks, ResidentChunks
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
@@ -236,7 +230,6 @@ def fit(
             settings.checkpoints.every,
             settings.evaluation.every if settings.evaluation is not None else None,
         ),
-        most=MAX_AUTO_STEPS_CPU if unrolls_chunks(mesh) else MAX_AUTO_STEPS,
     )
     batches = runner.feed
     watcher = PreemptionWatcher()
@@ -471,6 +464,7 @@ class _Loop:
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
         self._layout: MetricLayout | None = None
+        self._sizes = ChunkSizes(1, 1)  # run() sets the run's
 
     def run(
         self,
@@ -490,6 +484,7 @@ class _Loop:
         evaluation boundary; preemption, a failed save and a hook's stop are checked
         after each dispatch.
         """
+        self._sizes = sizes
         step = start
         interval: Interval | None = None
         pending = 0  # steps since the last log line (in ``interval``)
@@ -552,6 +547,8 @@ class _Loop:
             )
             if compiling:
                 self._layout = runner.layout
+                if getattr(runner, "unrolled", False):
+                    self._sizes.most = min(self._sizes.most, MAX_UNROLLED_AUTO_STEPS)
                 jax.block_until_ready(interval)  # the first step includes the compile
                 self._first_done = time.perf_counter()
         profiler.after(step + steps, self.state)

@@ -136,6 +136,7 @@ class Chunked:
         self.mesh = mesh
         self.log_every = log_every
         self._program: Callable[..., Any] | None = None
+        self.unrolled = False  # known once the step is traced (its first dispatch)
         self._layout: MetricLayout | None = None
         self._zeros: Interval | None = None
 
@@ -163,6 +164,7 @@ class Chunked:
         batch = jax.eval_shape(batch_of, data, one)
         traced = self.train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
         self._layout = MetricLayout.of(traced.out_info[1])
+        self.unrolled = unrolls_chunks(self.mesh, traced.jaxpr.jaxpr)
         donated = any(info.donated for info in jax.tree.leaves(traced.args_info[0][0]))
         shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
         self._program = chunk_program(
@@ -173,7 +175,7 @@ class Chunked:
             donate_state=donated,
             batch_of=batch_of,
             log_every=self.log_every,
-            unroll=unrolls_chunks(self.mesh),
+            unroll=self.unrolled,
         )
         self._zeros = zero_interval(self._layout, self.mesh)
         return self._program
