@@ -53,7 +53,7 @@ from meshkit.models import MnistCNN  # noqa: E402
 
 ON_CPU = jax.devices()[0].platform == "cpu"
 ROUNDS = 5
-FIT_CHUNKS: tuple[int | str, ...] = (8, 32, "auto")
+FIT_CHUNKS: tuple[int | Literal["auto"], ...] = (8, 32, "auto")
 """Steps per dispatch of the resident ``fit`` candidates (N=1 is "fit resident")."""
 
 
@@ -117,7 +117,9 @@ def case(
     )
     chosen: dict[str, list[str]] = collections.defaultdict(list)
 
-    def fit(on: data.TrainPipeline, steps_per_dispatch: int | str = 1) -> Callable[[], Measured]:
+    def fit(
+        on: data.TrainPipeline, steps_per_dispatch: int | Literal["auto"] = 1
+    ) -> Callable[[], Measured]:
         def run() -> Measured:
             with tempfile.TemporaryDirectory() as workdir:
                 result = train.fit(

@@ -77,7 +77,7 @@ def assert_bit_identical(a: list[dict], b: list[dict]) -> None:
             assert x[key].tobytes() == y[key].tobytes(), key
 
 
-def streams(mesh_text: str, mode: str) -> tuple[list[dict], list[dict], str, int]:
+def streams(mesh_text: str, mode: Any) -> tuple[list[dict], list[dict], str, int]:
     sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh_text))
     common: dict[str, Any] = {"global_batch_size": 16, "sharding": sharding, "seed": 3}
     resident = data.TrainPipeline(odd_source(), resident=mode, **common)
@@ -156,7 +156,12 @@ def test_resident_input_refuses_host_transforms_and_unknown_layouts():
             odd_source(), global_batch_size=16, sharding=sharding, resident=True, transform=augment
         )
     with pytest.raises(ValueError, match="resident must be True, False, 'replicated' or"):
-        data.TrainPipeline(odd_source(), global_batch_size=16, sharding=sharding, resident="yes")
+        data.TrainPipeline(
+            odd_source(),
+            global_batch_size=16,
+            sharding=sharding,
+            resident="yes",  # pyright: ignore[reportArgumentType]
+        )
 
 
 @pytest.mark.once
@@ -197,7 +202,7 @@ _TX = optax.sgd(0.05, momentum=0.9)
 _MODEL = train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
 
 
-def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: int | str, num_steps: int = _STEPS):
+def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: Any, num_steps: int = _STEPS):
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
     state = train.create_train_state(_MODEL, _TX, mesh, seed=0)
@@ -290,7 +295,7 @@ def test_a_plain_python_step_is_refused_for_chunks_with_the_way_out(tmp_path):
 
     with pytest.raises(TypeError, match="need a jitted train step"):
         train.fit(
-            jnp.zeros(()),
+            jnp.zeros(()),  # pyright: ignore[reportArgumentType]
             plain,
             pipeline,
             num_steps=4,

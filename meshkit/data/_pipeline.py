@@ -287,6 +287,7 @@ class TrainPipeline(_Pipeline):
         self.shuffle = bool(shuffle)  # a plain bool: it goes into the JSON data state
         self.steps_per_epoch = self._source_length // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
+        self.resident_mode: ResidentMode | None
         self.resident_mode, self.resident_bytes = self._resident_layout(resident)
 
     def _resident_layout(self, resident: object) -> tuple[ResidentMode | None, int]:

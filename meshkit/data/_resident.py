@@ -45,7 +45,7 @@ LIMIT_VARIABLE = "MESHKIT_RESIDENT_BYTES"
 ``RESIDENT_SHARE`` of the device's memory)."""
 
 
-def device_memory_bytes(device: jax.Device) -> int:
+def device_memory_bytes(device: Any) -> int:
     """A device's memory: its allocator's limit on accelerators, a share of RAM on CPUs.
 
     CPU devices (fake devices included) share the host's memory, so each is given an
@@ -62,7 +62,7 @@ def device_memory_bytes(device: jax.Device) -> int:
     return ram // max(1, jax.local_device_count())
 
 
-def resident_limit_bytes(device: jax.Device) -> tuple[int, str]:
+def resident_limit_bytes(device: Any) -> tuple[int, str]:
     """The bytes per device a resident dataset may take, and where the figure came from."""
     value = os.environ.get(LIMIT_VARIABLE)
     if value:

@@ -488,6 +488,7 @@ class _Loop:
         step = start
         interval: Interval | None = None
         pending = 0  # steps since the last log line (in ``interval``)
+        began = 0.0  # when the timed group under way began
         evaluation = self.evaluation
         while step < num_steps:
             room = _room(step, num_steps, checkpoints, evaluation)

@@ -55,7 +55,8 @@ class Closed:
         """Each closed line's interval on the host (one copy for all of them)."""
         if not self.at or self.rows is None:
             return
-        rows = Interval(*(np.asarray(leaf) for leaf in to_host(self.rows)))
+        host: Any = [np.asarray(leaf) for leaf in to_host(self.rows)]
+        rows = Interval(*host)
         for row, step in self.at:
             interval = rows if row is None else Interval(*(leaf[row] for leaf in rows))
             yield read_interval(layout, interval, step)
@@ -149,13 +150,13 @@ class Chunked:
         data, xs = inputs
         program = self._program or self._build(state, data, xs)
         start = self.zeros if interval is None else interval
-        state, interval, rows = program(state, start, data, xs, first)
-        at = [
+        state, carried, rows = program(state, start, data, xs, first)
+        at: list[tuple[int | None, int]] = [
             (step - first, step)
             for step in range(first, first + steps)
             if step % self.log_every == 0
         ]
-        return state, interval, Closed(rows, at)
+        return state, carried, Closed(rows, at)
 
     def _build(self, state: Any, data: Any, xs: Any) -> Callable[..., Any]:
         """Traces the train step on one step's batch (for its metrics and donation)."""
