@@ -144,7 +144,7 @@ def test_recipe_ensemble_beats_its_average_member(tmp_path: Path):
     assert summary["test_examples"] == 360 and summary["steps"] == 60
     assert len(summary["member_test_accuracy"]) == 8
     assert summary["ensemble_test_accuracy"] >= summary["mean_member_test_accuracy"] > 0.8
-    assert summary["train_step_compiles"] == 1
+    assert summary["train_step_compiles"] <= 3  # one per chunk size: 1, auto's probe, its pick
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 

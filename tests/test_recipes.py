@@ -45,7 +45,8 @@ def test_data_parallel_learns_the_digits(tmp_path):
     )
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["test_accuracy"] >= 0.85 and summary["test_examples"] == 360
-    assert summary["train_step_compiles"] == 1 and summary["steps"] == 60
+    assert summary["steps"] == 60 and summary["input"].startswith("resident (replicated")
+    assert summary["train_step_compiles"] <= 3  # one per chunk size: 1, auto's probe, its pick
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
@@ -57,7 +58,7 @@ def test_data_parallel_bf16_micro_batches_and_tensorboard_learn(tmp_path):
         *("--steps", "40", "--no-progress", "--workdir", str(tmp_path)),
     )  # 40 steps: CPUs emulate bfloat16; 100 steps give 0.975, the 200-step run 0.986
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["test_accuracy"] >= 0.8 and summary["train_step_compiles"] == 1
+    assert summary["test_accuracy"] >= 0.8 and summary["train_step_compiles"] <= 3
     assert summary["hyperparameters"]["precision"] == "bf16"
     assert summary["hyperparameters"]["microbatches"] == 4
     config = json.loads((tmp_path / "config.json").read_text())
