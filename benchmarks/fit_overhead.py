@@ -115,7 +115,7 @@ def case(
     resident = data.TrainPipeline(
         source, global_batch_size=batch, sharding=sharding, seed=0, resident=True
     )
-    chosen: dict[str, list[str]] = collections.defaultdict(list)
+    auto_chose: list[str] = []
 
     def fit(
         on: data.TrainPipeline, steps_per_dispatch: int | Literal["auto"] = 1
@@ -132,10 +132,10 @@ def case(
                     logging=train.Logging(progress=False),
                     dispatch=train.Dispatch(steps_per_dispatch=steps_per_dispatch),
                 )
-            name = f"fit {result.input_path.split(' ')[0]} N={steps_per_dispatch}"
             fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
             fit_stats["compiles"].append(result.train_step_compiles)
-            chosen[name].append(result.dispatch)
+            if steps_per_dispatch == "auto":
+                auto_chose.append(result.dispatch)
             # Wall time from the end of the first step, as for the hand loops: the
             # compiles of later chunk sizes and auto's measurement count.
             return Measured((steps - 1) / result.steps_per_second)
@@ -163,7 +163,7 @@ def case(
         fit_input_wait_fraction=max(fit_stats["input_wait_fraction"]),
         fit_train_step_compiles_per_run=fit_stats["compiles"],
         over_bare={key: timings["bare step"].total / t.total for key, t in timings.items()},
-        auto_chose=sorted(set(chosen["fit resident N=auto"])),
+        auto_chose=sorted(set(auto_chose)),
     )
     print(
         "steps/s: "

@@ -309,21 +309,28 @@ class TrainPipeline(_Pipeline):
                 "step with meshkit.data.image.device_augmentation(...).wrap(loss_fn), or "
                 "keep resident=False."
             )
+        if not isinstance(getattr(self.source, "arrays", None), dict) and not callable(
+            getattr(self.source, "getitems", None)
+        ):
+            raise ValueError(
+                f"resident={resident!r} needs an in-memory source whose examples can be read "
+                f"all at once (ArraySource, digits, mnist, cifar10...), got {self.source!r}. Load "
+                "the arrays into an ArraySource, or keep resident=False."
+            )
         mode = None if resident is True else resident
-        arrays = self._source_arrays()
-        return choose_layout(arrays, self.sharding, mode=mode, what=repr(self.source))
+        return choose_layout(
+            self._source_length,
+            self.source[0],
+            self.sharding,
+            mode=mode,
+            what=repr(self.source),
+        )
 
     def _source_arrays(self) -> Record:
         """Every example of the source, field by field (for resident data)."""
         arrays = getattr(self.source, "arrays", None)
         if isinstance(arrays, dict):
             return arrays
-        if getattr(self.source, "getitems", None) is None:
-            raise ValueError(
-                f"resident=True needs an in-memory source whose examples can be read all at "
-                f"once (ArraySource, digits, mnist, cifar10...), got {self.source!r}. Load "
-                "the arrays into an ArraySource, or keep resident=False."
-            )
         return _fetch(self.source, np.arange(self._source_length))
 
     @functools.cached_property
@@ -333,7 +340,12 @@ class TrainPipeline(_Pipeline):
         if self.resident_mode is None:
             return None
         self._check_source_length()
-        return place_resident(self._source_arrays(), self.sharding, self.resident_mode)
+        return place_resident(
+            self._source_arrays(),
+            self.sharding,
+            self.resident_mode,
+            bytes_per_device=self.resident_bytes,
+        )
 
     def chunk_indices(self, start_step: int, steps: int) -> np.ndarray:
         """Source indices of global batches ``start_step .. start_step + steps - 1``:

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshkit._batch import leading_dim_shards
+from meshkit._batch import leading_dim_shards, pad_rows
+from meshkit._describe import format_bytes
 from meshkit._specs import spec_axis_names
 
 ResidentMode = Literal["replicated", "sharded"]
@@ -77,14 +78,6 @@ def resident_limit_bytes(device: Any) -> tuple[int, str]:
     return share, f"a quarter of the device's {format_bytes(memory)}"
 
 
-def format_bytes(count: float) -> str:
-    """``1.5 GiB``, ``12.0 MiB``, ``640 B``: a byte count in a unit that fits it."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{int(count)} B"
-
-
 def device_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The arrays in the dtypes JAX stores them in (64-bit types narrowed unless x64 is on),
     so the bytes counted are the bytes placed and a batch matches the host's exactly."""
@@ -96,8 +89,12 @@ def device_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _bytes_per_row(arrays: Mapping[str, np.ndarray]) -> int:
-    return sum(value[0].nbytes if len(value) else 0 for value in arrays.values())
+def _bytes_per_row(example: Mapping[str, Any]) -> int:
+    """The bytes one example takes on the devices (in the dtype JAX stores it in)."""
+    return sum(
+        np.size(value) * jax.dtypes.canonicalize_dtype(np.asarray(value).dtype).itemsize
+        for value in example.values()
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it keys compiled programs
@@ -146,13 +143,15 @@ class ResidentData:
 
 
 def choose_layout(
-    arrays: Mapping[str, np.ndarray],
+    num_examples: int,
+    example: Mapping[str, Any],
     batch_sharding: NamedSharding,
     *,
     mode: ResidentMode | None = None,
     what: str = "The training data",
 ) -> tuple[ResidentMode, int]:
-    """The layout of ``arrays`` on the devices and the bytes it takes per device.
+    """The layout of ``num_examples`` examples like ``example`` on the devices, and the
+    bytes it takes per device.
 
     ``mode=None`` replicates when the dataset fits within ``resident_limit_bytes`` of
     one device, and splits its rows over the data axes when only a part fits. Nothing
@@ -163,10 +162,8 @@ def choose_layout(
       ValueError: it fits in neither layout; the message gives both sizes, the limit
         and the ways out.
     """
-    arrays = device_arrays(arrays)
-    num_examples = len(next(iter(arrays.values())))
     shards = leading_dim_shards(batch_sharding)
-    row_bytes = _bytes_per_row(arrays)
+    row_bytes = _bytes_per_row(example)
     replicated = num_examples * row_bytes
     sharded = -(-num_examples // shards) * row_bytes
     if mode == "replicated":
@@ -193,15 +190,19 @@ def choose_layout(
 
 
 def place_resident(
-    arrays: Mapping[str, np.ndarray], batch_sharding: NamedSharding, mode: ResidentMode
+    arrays: Mapping[str, np.ndarray],
+    batch_sharding: NamedSharding,
+    mode: ResidentMode,
+    *,
+    bytes_per_device: int,
 ) -> ResidentData:
-    """Places ``arrays`` (one row per example) on the batch sharding's mesh in ``mode``
-    (from ``choose_layout``); every process passes the whole dataset."""
+    """Places ``arrays`` (one row per example) on the batch sharding's mesh in ``mode``,
+    taking ``bytes_per_device`` (both from ``choose_layout``); every process passes the
+    whole dataset."""
     arrays = device_arrays(arrays)
     num_examples = len(next(iter(arrays.values())))
     mesh = batch_sharding.mesh
     assert isinstance(mesh, Mesh)
-    _, per_device = choose_layout(arrays, batch_sharding, mode=mode)
     if mode == "replicated":
         sharding = NamedSharding(mesh, PartitionSpec())
         placed = {key: _place(value, sharding) for key, value in arrays.items()}
@@ -209,8 +210,9 @@ def place_resident(
         shards = leading_dim_shards(batch_sharding)
         rows = -(-num_examples // shards) * shards
         sharding = NamedSharding(mesh, PartitionSpec(batch_sharding.spec[0]))
-        placed = {key: _place(_pad_rows(value, rows), sharding) for key, value in arrays.items()}
-    return ResidentData(placed, mode, batch_sharding, num_examples, per_device)
+        padded, _ = pad_rows(arrays, rows)
+        placed = {key: _place(value, sharding) for key, value in padded.items()}
+    return ResidentData(placed, mode, batch_sharding, num_examples, bytes_per_device)
 
 
 def _too_large(
@@ -227,13 +229,6 @@ def _too_large(
         f"from the host instead (resident=False; --input host in the recipes), or set "
         f"{LIMIT_VARIABLE} to the bytes per device it may take."
     )
-
-
-def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
-    if len(array) == rows:
-        return array
-    pad = np.zeros((rows - len(array), *array.shape[1:]), array.dtype)
-    return np.concatenate([array, pad])
 
 
 def _place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -192,6 +192,34 @@ class IntervalRead:
     first_bad_step: int | None
 
 
+class TracedStep(NamedTuple):
+    """What a jitted train step's trace tells the programs that call it.
+
+    Attributes:
+      layout: where each of its metrics lives in the packed vector.
+      donates_state: whether it donates the state (the calling program then does too).
+      state_shardings: the state's shardings, for the calling program's outputs.
+      jaxpr: the step's jaxpr.
+    """
+
+    layout: MetricLayout
+    donates_state: bool
+    state_shardings: Any
+    jaxpr: Any
+
+
+def trace_step(train_step: StepFn, state: Any, batch: Any) -> TracedStep:
+    """Traces a jitted ``train_step`` on ``state`` and ``batch`` (arrays or abstract
+    values), running nothing."""
+    traced = train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
+    return TracedStep(
+        layout=MetricLayout.of(traced.out_info[1]),
+        donates_state=any(info.donated for info in jax.tree.leaves(traced.args_info[0][0])),
+        state_shardings=jax.tree.map(lambda leaf: leaf.sharding, state),
+        jaxpr=traced.jaxpr.jaxpr,
+    )
+
+
 def read_interval(layout: MetricLayout, interval: Interval, last: int) -> IntervalRead:
     """Copies ``interval`` (which ended at step ``last``) to the host; blocks until it is ready."""
     sums, steps, first_bad = to_host(interval)
@@ -280,11 +308,11 @@ class MetricSums:
                 return state, update(interval, metrics)
 
             return cls(layout, unfused, zeros), state, update(zeros, metrics)
-        traced = train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
-        layout = MetricLayout.of(traced.out_info[1])
-        donated = any(info.donated for info in jax.tree.leaves(traced.args_info[0][0]))
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
-        fused = accumulating_step(train_step, layout, shardings, mesh, donate_state=donated)
+        traced = trace_step(train_step, state, batch)
+        layout = traced.layout
+        fused = accumulating_step(
+            train_step, layout, traced.state_shardings, mesh, donate_state=traced.donates_state
+        )
         zeros = zero_interval(layout, mesh)
         state, interval = fused(state, batch, zeros)
         return cls(layout, fused, zeros), state, interval

@@ -292,7 +292,7 @@ def _runner(
 ) -> PerStep | Chunked:
     """One step per dispatch on host batches, or chunks (several steps, or resident data)."""
     log_every = settings.logging.every
-    resident = getattr(pipeline, "resident_mode", None) is not None
+    resident = pipeline.resident_mode is not None
     if not resident and settings.dispatch.steps_per_dispatch == 1:
         return PerStep(
             train_step, GlobalBatchIterator(pipeline, state=data_state), mesh, log_every=log_every
@@ -464,7 +464,6 @@ class _Loop:
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
         self._layout: MetricLayout | None = None
-        self._sizes = ChunkSizes(1, 1)  # run() sets the run's
 
     def run(
         self,
@@ -484,7 +483,6 @@ class _Loop:
         evaluation boundary; preemption, a failed save and a hook's stop are checked
         after each dispatch.
         """
-        self._sizes = sizes
         step = start
         interval: Interval | None = None
         pending = 0  # steps since the last log line (in ``interval``)
@@ -497,12 +495,15 @@ class _Loop:
             if group:
                 jax.block_until_ready(self.state)
                 began = time.perf_counter()
+            traced_now = interval is None  # the run's first dispatch traces the step
             for steps in plan:
                 interval, closed = self._dispatch(runner, interval, step, steps, profiler)
                 step += steps
                 pending = step - closed.at[-1][1] if closed.at else pending + steps
                 if not group:
                     sizes.ran(steps)
+            if traced_now and runner.unrolled:
+                sizes.most = min(sizes.most, MAX_UNROLLED_AUTO_STEPS)
             if group:
                 jax.block_until_ready(self.state)
                 sizes.timed(sum(plan), time.perf_counter() - began)
@@ -548,8 +549,6 @@ class _Loop:
             )
             if compiling:
                 self._layout = runner.layout
-                if getattr(runner, "unrolled", False):
-                    self._sizes.most = min(self._sizes.most, MAX_UNROLLED_AUTO_STEPS)
                 jax.block_until_ready(interval)  # the first step includes the compile
                 self._first_done = time.perf_counter()
         profiler.after(step + steps, self.state)

@@ -30,6 +30,7 @@ from meshkit.train._interval import (
     MetricLayout,
     MetricSums,
     read_interval,
+    trace_step,
     zero_interval,
 )
 
@@ -66,6 +67,7 @@ class PerStep:
     """One dispatch per step, host batches placed ahead by a ``GlobalBatchIterator``."""
 
     chunked = False
+    unrolled = False
 
     def __init__(
         self,
@@ -163,17 +165,15 @@ class Chunked:
         batch_of = self.feed.batch_of
         one = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), xs)
         batch = jax.eval_shape(batch_of, data, one)
-        traced = self.train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
-        self._layout = MetricLayout.of(traced.out_info[1])
-        self.unrolled = unrolls_chunks(self.mesh, traced.jaxpr.jaxpr)
-        donated = any(info.donated for info in jax.tree.leaves(traced.args_info[0][0]))
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+        traced = trace_step(self.train_step, state, batch)
+        self._layout = traced.layout
+        self.unrolled = unrolls_chunks(self.mesh, traced.jaxpr)
         self._program = chunk_program(
             self.train_step,
             self._layout,
-            shardings,
+            traced.state_shardings,
             self.mesh,
-            donate_state=donated,
+            donate_state=traced.donates_state,
             batch_of=batch_of,
             log_every=self.log_every,
             unroll=self.unrolled,
