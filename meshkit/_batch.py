@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -340,21 +340,7 @@ def place_local_rows(local_batch: Any, sharding: NamedSharding, global_batch_siz
     - several processes: each process contributes its rows with
       ``jax.make_array_from_process_local_data``.
     """
-    if jax.process_count() == 1:
-        leaves = jax.tree.leaves(local_batch)
-        if _identity_jit_places_faster(sharding) and all(
-            isinstance(leaf, np.ndarray) for leaf in leaves
-        ):
-            return _one_device_put(sharding)(local_batch)
-        return jax.device_put(local_batch, sharding)
-
-    def to_global(leaf: Any) -> jax.Array:
-        leaf = np.asarray(leaf)
-        return jax.make_array_from_process_local_data(
-            sharding, leaf, (global_batch_size, *leaf.shape[1:])
-        )
-
-    return jax.tree.map(to_global, local_batch)
+    return _place_rows(local_batch, sharding, lambda shape: (global_batch_size, *shape[1:]))
 
 
 def place_stacked_rows(local: Any, sharding: NamedSharding, global_batch_size: int) -> Any:
@@ -365,14 +351,29 @@ def place_stacked_rows(local: Any, sharding: NamedSharding, global_batch_size: i
     One transfer for a chunk of steps: their batches (host input) or their source
     indices (resident data).
     """
-    stacked = _stacked_sharding(sharding)
+    return _place_rows(
+        local,
+        _stacked_sharding(sharding),
+        lambda shape: (shape[0], global_batch_size, *shape[2:]),
+    )
+
+
+def _place_rows(
+    local: Any, sharding: NamedSharding, global_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+) -> Any:
+    """Host leaves to global arrays on ``sharding``; ``global_shape`` maps a local leaf's
+    shape to its global one (several processes each give their rows)."""
     if jax.process_count() == 1:
-        return jax.device_put(local, stacked)
+        leaves = jax.tree.leaves(local)
+        if _identity_jit_places_faster(sharding) and all(
+            isinstance(leaf, np.ndarray) for leaf in leaves
+        ):
+            return _one_device_put(sharding)(local)
+        return jax.device_put(local, sharding)
 
     def to_global(leaf: Any) -> jax.Array:
         leaf = np.asarray(leaf)
-        shape = (leaf.shape[0], global_batch_size, *leaf.shape[2:])
-        return jax.make_array_from_process_local_data(stacked, leaf, shape)
+        return jax.make_array_from_process_local_data(sharding, leaf, global_shape(leaf.shape))
 
     return jax.tree.map(to_global, local)
 

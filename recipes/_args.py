@@ -81,10 +81,12 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_input_options(parser: argparse.ArgumentParser) -> None:
+def add_input_options(
+    parser: argparse.ArgumentParser, *, steps_per_dispatch: int | str = "auto"
+) -> None:
     """Adds ``--input`` (``resident``: the dataset on the devices, batches gathered there;
     ``host``: each batch copied from the host) and ``--steps-per-dispatch`` (a number,
-    or ``auto``: measured at the start of the run)."""
+    or ``auto``: measured at the start of the run; default ``steps_per_dispatch``)."""
     parser.add_argument(
         "--input",
         choices=["resident", "host"],
@@ -95,7 +97,7 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps-per-dispatch",
         type=_steps_per_dispatch,
-        default="auto",
+        default=steps_per_dispatch,
         metavar="N|auto",
         help="training steps run by one compiled program; auto: the fewest that make the "
         "dispatch overhead small, measured at the start",

@@ -41,7 +41,7 @@ import argparse
 import sys
 
 import meshkit
-from recipes._args import positive_int, recipe_parser, write_summary
+from recipes._args import add_input_options, positive_int, recipe_parser, write_summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT in a job array; merge the slices' "
         "tables with python -m meshkit.sweep merge",
     )
+    # One step per dispatch: one compiled program for the whole sweep (auto adds its
+    # probe's and its choice's sizes).
+    add_input_options(parser, steps_per_dispatch=1)
     return parser.parse_args(argv)
 
 
@@ -125,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         layout,
         points,
         pipeline=sweep.sweep_pipeline(
-            train_source, points, layout, global_batch_size=args.batch_size, seed=args.seed
+            train_source,
+            points,
+            layout,
+            global_batch_size=args.batch_size,
+            seed=args.seed,
+            resident=args.input == "resident",
         ),
         eval_pipeline=data.EvalPipeline(
             test_source, global_batch_size=128, sharding=layout.batch_sharding
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision,
         microbatches=args.microbatches,
         logging=train.Logging(progress=not args.no_progress),
+        dispatch=train.Dispatch(steps_per_dispatch=args.steps_per_dispatch),
     )
     if result.interrupted:  # a SIGTERM: saved; rerun to resume
         return train.PREEMPTED_EXIT_CODE
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "schedule": "pbt" if args.pbt else "halving" if args.halving else None,
             "steps": result.step,
             "train_step_compiles": result.train_step_compiles,
+            "input": result.input_path,
             "wall_seconds": round(result.wall_seconds, 2),
             "best": best.point,
             "best_trial": best.id,

@@ -21,6 +21,7 @@ import pytest
 import meshkit
 from meshkit import data, train
 from meshkit.ensemble import EnsembleLayout, MemberTrainPipeline
+from meshkit.models import MnistCNN
 from meshkit.testing import run_processes
 from meshkit.train._chunks import ChunkSizes, Measurement, auto_steps, probe_steps
 from meshkit.train._feeds import ResidentChunks
@@ -268,6 +269,34 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
         int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()
     )
     assert checkpoints == [100, 150, 200]  # chunks end at every boundary
+
+
+@pytest.mark.once
+def test_unrolled_chunks_of_a_convolution_step_are_bit_identical_to_single_steps(tmp_path):
+    """On a CPU a step with a convolution runs unrolled: no loop, the same program."""
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    model = train.linen_model(MnistCNN(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, _TX, mesh, seed=0)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    params = []
+    for n, resident in ((1, False), (4, True)):
+        result = train.fit(
+            train.create_train_state(model, _TX, mesh, seed=0),
+            step,
+            data.TrainPipeline(
+                data.digits("train"), global_batch_size=64, sharding=sharding, resident=resident
+            ),
+            num_steps=8,
+            workdir=tmp_path / str(n),
+            logging=train.Logging(every=4, progress=False),
+            dispatch=train.Dispatch(steps_per_dispatch=n),
+        )
+        params.append(jax.tree.leaves(meshkit.to_host(result.state.params)))
+    for single, chunked in zip(*params, strict=True):
+        np.testing.assert_array_equal(single, chunked)
 
 
 @pytest.mark.once

@@ -98,6 +98,8 @@ class SweepResult:
       train_step_compiles: compilations of the train step over all stages.
       interrupted: a preemption or hook stopped it before ``num_steps``.
       wall_seconds: the time ``run_sweep`` took.
+      input_path: how the last stage fed and dispatched its steps (``fit``'s
+        ``input_path`` and ``dispatch``).
     """
 
     trials: list[Trial]
@@ -110,6 +112,7 @@ class SweepResult:
     train_step_compiles: int
     interrupted: bool = False
     wall_seconds: float = 0.0
+    input_path: str = ""
 
     def ranked(self) -> list[Trial]:
         """Trials best first: finished ones by score, then the others by score."""

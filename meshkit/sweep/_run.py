@@ -36,7 +36,16 @@ from meshkit.sweep._state import (
     value_arrays,
 )
 from meshkit.sweep._values import set_hyperparameters
-from meshkit.train import Checkpoints, Evaluation, Logging, Model, Precision, TrainState, fit
+from meshkit.train import (
+    Checkpoints,
+    Dispatch,
+    Evaluation,
+    Logging,
+    Model,
+    Precision,
+    TrainState,
+    fit,
+)
 
 
 @functools.lru_cache(maxsize=16)
@@ -172,6 +181,7 @@ def run_sweep(
     eval_every: int | None = None,
     checkpoints: Checkpoints | None = None,
     logging: Logging | None = None,
+    dispatch: Dispatch | None = None,
 ) -> SweepResult:
     """Trains K hyperparameter settings at once, one per member of the ensemble axis.
 
@@ -210,6 +220,9 @@ def run_sweep(
         the stage's ``metrics.jsonl`` and writers).
       checkpoints: each stage's ``fit`` checkpoint settings.
       logging: each stage's ``fit`` logging settings.
+      dispatch: each stage's ``fit`` dispatch settings: ``Dispatch(steps_per_dispatch=
+        'auto')`` runs many steps of all K members per program, with a pipeline built
+        with ``resident=True`` the data on the devices.
     """
     checked = check_points(points)
     state = create_sweep_state(
@@ -237,6 +250,7 @@ def run_sweep(
     current = list(checked)
     active = np.ones(len(checked), bool)
     compiles, began, start = 0, time.perf_counter(), 0
+    input_path = ""  # how the stages fed and dispatched their steps (the last stage's)
     for index, end in enumerate(ends):
         result = fit(
             state,
@@ -248,8 +262,10 @@ def run_sweep(
             evaluation=evaluation,
             checkpoints=checkpoints,
             logging=logging,
+            dispatch=dispatch,
         )
         compiles += result.train_step_compiles
+        input_path = f"{result.input_path}, {result.dispatch}"
         state = result.state
         if result.preempted or result.stopped_early or result.step < end:
             return SweepResult(
@@ -262,6 +278,7 @@ def run_sweep(
                 workdir=workdir,
                 train_step_compiles=compiles,
                 interrupted=True,
+                input_path=input_path,
             )
         measured = full_eval(per_example_fn, state, eval_pipeline).metrics
         scores = per_member(measured, metric)
@@ -304,6 +321,7 @@ def run_sweep(
         workdir=workdir,
         train_step_compiles=compiles,
         wall_seconds=time.perf_counter() - began,
+        input_path=input_path,
     )
     if jax.process_index() == 0:
         sweep.write_json(workdir / "results.json")

@@ -10,8 +10,9 @@ chunk size. ``ChunkSizes`` says how many steps each dispatch takes: a fixed numb
 ``'auto'``, which measures the dispatch overhead at the start of the run.
 
 The state after ``n`` steps is the state after the same ``n`` steps run one per
-dispatch, up to how XLA fuses the step inside a loop body (float sums can associate
-differently: a few ulps over hundreds of steps on CPU).
+dispatch: bit for bit when the steps are unrolled, and up to how XLA compiles the step
+inside a loop body otherwise (measured on a CPU: the tiny MLP's loop is bit-identical
+over 200 steps; the MNIST CNN's is 6e-8 away after 8 steps).
 """
 
 from __future__ import annotations
