@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     meshes = [one, meshkit.make_mesh("data=-1")] if ON_CPU and jax.device_count() > 1 else [one]
     results = []
     for mesh in meshes:
-        steps = 4000 if not ON_CPU else (1000 if mesh.size == 1 else 300)
+        steps = 4000 if not ON_CPU else (4000 if mesh.size == 1 else 1200)
         if "mlp" in models:
             results.append(
                 case(
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if "cnn" not in models:
             continue
-        steps = 2000 if not ON_CPU else (96 if mesh.size == 1 else 64)
+        steps = 2000 if not ON_CPU else 96
         results.append(
             case(
                 "MNIST CNN, 28x28 digits",

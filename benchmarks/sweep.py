@@ -29,6 +29,10 @@ Reported: medians and totals, the ratio of totals (sweep / sequential), member-s
 per second (settings × steps / wall seconds), every compilation and the train step's
 compilations (the sweep's ``train_step_compiles``, and the sum of the ``fit`` runs'),
 the seconds spent compiling, and the best test accuracy each candidate found.
+
+A third candidate runs the same sweep with the training data resident on the devices
+and ``Dispatch(steps_per_dispatch='auto')`` (``resident_auto_over_sweep``: its rate
+over the sweep's, from totals; ``resident_auto_input``: what it chose).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ EVAL_BATCH_SIZE = 128
 GOAL = 0.5  # the sweep at most half the sequential wall time
 
 SWEEP = "sweep: run_sweep, one program"
+SWEEP_RESIDENT = "sweep: resident data, auto steps per dispatch"
 SEQUENTIAL = "sequential: 16 fit runs"
 
 
@@ -75,10 +80,15 @@ class Bench:
             weight_decay=sweep.log_grid(1e-5, 1e-2, 4),
         )
         self.points = self.space.grid()
-        self.calls: dict[str, list[dict[str, Any]]] = {SWEEP: [], SEQUENTIAL: []}
+        self.calls: dict[str, list[dict[str, Any]]] = {
+            SWEEP: [],
+            SWEEP_RESIDENT: [],
+            SEQUENTIAL: [],
+        }
 
-    def run_sweep(self, steps: int) -> dict[str, Any]:
-        """The whole sweep, as ``recipes/sweep.py`` runs it."""
+    def run_sweep(self, steps: int, *, resident: bool = False) -> dict[str, Any]:
+        """The whole sweep, as ``recipes/sweep.py`` runs it; ``resident``: the training
+        data on the devices and ``steps_per_dispatch='auto'``."""
         layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=-1,data=1"), len(self.points))
         with tempfile.TemporaryDirectory() as workdir:
             result = sweep.run_sweep(
@@ -88,7 +98,11 @@ class Bench:
                 layout,
                 self.points,
                 pipeline=sweep.sweep_pipeline(
-                    self.train_source, self.points, layout, global_batch_size=BATCH_SIZE
+                    self.train_source,
+                    self.points,
+                    layout,
+                    global_batch_size=BATCH_SIZE,
+                    resident=resident,
                 ),
                 eval_pipeline=data.EvalPipeline(
                     self.test_source,
@@ -99,10 +113,12 @@ class Bench:
                 workdir=workdir,
                 space=self.space,
                 logging=train.Logging(progress=False),
+                dispatch=train.Dispatch(steps_per_dispatch="auto" if resident else 1),
             )
             jax.block_until_ready(result.state)
         accuracy = {t.id: t.metrics["accuracy"] for t in result.trials}
         return {
+            "input": result.input_path,
             "train_step_compiles": result.train_step_compiles,
             "accuracy": [accuracy[k] for k in range(len(self.points))],
         }
@@ -183,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
 
     candidates = {
         SWEEP: bench.candidate(SWEEP, lambda: bench.run_sweep(args.steps)),
+        SWEEP_RESIDENT: bench.candidate(
+            SWEEP_RESIDENT, lambda: bench.run_sweep(args.steps, resident=True)
+        ),
         SEQUENTIAL: bench.candidate(SEQUENTIAL, lambda: bench.run_sequential(args.steps)),
     }
     timings = interleave(candidates, rounds=args.rounds, warmup=0)
@@ -200,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         points=len(bench.points),
         global_batch_size=BATCH_SIZE,
         sweep_over_sequential=ratio,
+        resident_auto_over_sweep=timings[SWEEP].total / timings[SWEEP_RESIDENT].total,
+        resident_auto_input=sorted({c["input"] for c in bench.calls[SWEEP_RESIDENT]}),
         goal=GOAL,
         goal_met=ratio <= GOAL,
         max_accuracy_difference=max(
@@ -210,13 +231,13 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     print(
-        f"{'candidate':<34} {'member-steps/s':>15} {'train step compiles':>20} "
+        f"{'candidate':<46} {'member-steps/s':>15} {'train step compiles':>20} "
         f"{'compile s':>10} {'s without compiles':>19}"
     )
     for name, row in rows.items():
         compiles = ",".join(str(c) for c in row["train_step_compiles_per_call"])
         print(
-            f"{name:<34} {row['member_steps_per_second']:>15.1f} {compiles:>20} "
+            f"{name:<46} {row['member_steps_per_second']:>15.1f} {compiles:>20} "
             f"{row['median_compile_seconds']:>10.1f} "
             f"{row['median_seconds_excluding_compiles']:>19.1f}"
         )
@@ -226,6 +247,10 @@ def main(argv: list[str] | None = None) -> None:
         f"sweep / sequential (ratio of totals) {ratio:.3f} "
         f"(goal <= {GOAL}: {'met' if ratio <= GOAL else 'not met'}); "
         f"largest difference of a setting's test accuracy {result['max_accuracy_difference']:.4f}"
+    )
+    print(
+        f"resident + auto / sweep (rates, from totals) {result['resident_auto_over_sweep']:.2f}x; "
+        f"it ran {result['resident_auto_input']}"
     )
     save("sweep", result)
 
