@@ -272,11 +272,19 @@ class ChunkSizes:
         elif self._phase == "compile" and steps == self.probe:
             self._phase = "probe"
 
-    def timed(self, steps: int, seconds: float) -> None:
-        """Records a timed group of ``steps`` steps in all that took ``seconds``."""
+    def timed(self, steps: int, seconds: float, *, queuing: float) -> None:
+        """Records a timed group of ``steps`` steps in all that took ``seconds``, of which
+        the host spent ``queuing`` building and queuing them.
+
+        After the one-step group: when even twice the host's queuing time per dispatch
+        (a bound on what a dispatch costs) is below the target share of a step, the
+        step is long enough as it is: one step per dispatch, with no probe to compile.
+        """
         if self._phase == "time":
             self._one = seconds / steps
             self._phase = "compile"
+            if 2 * queuing / steps <= OVERHEAD_TARGET * self._one:
+                self.chosen, self._phase = 1, "done"
         elif self._phase == "probe":
             assert self._one is not None
             self.measurement = Measurement(self._one, self.probe, seconds / steps)
@@ -292,6 +300,8 @@ class ChunkSizes:
             text += (
                 f" (auto: {m.overhead * 1e6:.0f} us per dispatch, {m.device * 1e6:.0f} us per step)"
             )
+        elif self.setting == "auto" and self._one is not None and self.chosen == 1:
+            text += f" (auto: {self._one * 1e6:.0f} us per step, its dispatch under 3% of it)"
         elif self.setting == "auto":
             text += " (auto: the run ended before the measurement)"
         return text

@@ -463,6 +463,7 @@ class _Loop:
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
+        self.queuing_seconds = 0.0  # host time building and queuing dispatches
         self._layout: MetricLayout | None = None
 
     def run(
@@ -494,7 +495,7 @@ class _Loop:
             plan = [group[1]] * group[0] if group else [1 if interval is None else sizes.next(room)]
             if group:
                 jax.block_until_ready(self.state)
-                began = time.perf_counter()
+                began, self.queuing_seconds = time.perf_counter(), 0.0
             traced_now = interval is None  # the run's first dispatch traces the step
             for steps in plan:
                 interval, closed = self._dispatch(runner, interval, step, steps, profiler)
@@ -506,7 +507,7 @@ class _Loop:
                 sizes.most = min(sizes.most, MAX_UNROLLED_AUTO_STEPS)
             if group:
                 jax.block_until_ready(self.state)
-                sizes.timed(sum(plan), time.perf_counter() - began)
+                sizes.timed(sum(plan), time.perf_counter() - began, queuing=self.queuing_seconds)
             last = step == num_steps
             evaluate = evaluation is not None and evaluation.due(step, last=last)
             self.preempted = watcher.reached(step)
@@ -540,6 +541,7 @@ class _Loop:
         with jax.profiler.StepTraceAnnotation("train", step_num=first):
             if interval is not None:
                 self.stall.enter("input", first)
+            queuing = time.perf_counter()
             inputs = runner.fetch(steps)
             if interval is not None:
                 self.stall.enter("devices", first)
@@ -547,6 +549,7 @@ class _Loop:
             self.state, interval, closed = runner.dispatch(
                 self.state, interval, inputs, first, steps
             )
+            self.queuing_seconds += time.perf_counter() - queuing
             if compiling:
                 self._layout = runner.layout
                 jax.block_until_ready(interval)  # the first step includes the compile
