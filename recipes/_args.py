@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from etils import epath
@@ -102,6 +104,17 @@ def add_input_options(
         help="training steps run by one compiled program; auto: the fewest that make the "
         "dispatch overhead small, measured at the start",
     )
+
+
+@contextlib.contextmanager
+def input_errors_in_one_line() -> Iterator[None]:
+    """A ``ValueError`` while the training input is built (a dataset too large to be
+    resident, a batch larger than the dataset) ends the recipe with its message alone:
+    each names the setting and the fix; a traceback would only bury it."""
+    try:
+        yield
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 def _steps_per_dispatch(text: str) -> int | str:

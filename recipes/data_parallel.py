@@ -51,6 +51,7 @@ from recipes._args import (
     add_training_options,
     fit_options,
     hyperparameters,
+    input_errors_in_one_line,
     learning_rate_schedule,
     positive_int,
     recipe_parser,
@@ -140,14 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             name=repr(train_source),
             num_classes=10,
         )
-    pipeline = data.TrainPipeline(
-        train_source,
-        global_batch_size=args.batch_size,
-        sharding=batch_sharding,
-        seed=args.seed,
-        transform=(lambda r, rng: to_float(r)) if to_device and not resident else None,
-        resident=resident,
-    )
+    with input_errors_in_one_line():
+        pipeline = data.TrainPipeline(
+            train_source,
+            global_batch_size=args.batch_size,
+            sharding=batch_sharding,
+            seed=args.seed,
+            transform=(lambda r, rng: to_float(r)) if to_device and not resident else None,
+            resident=resident,
+        )
     eval_pipeline = data.EvalPipeline(
         test_source,
         global_batch_size=args.batch_size,

@@ -46,6 +46,7 @@ from recipes._args import (
     add_training_options,
     fit_options,
     hyperparameters,
+    input_errors_in_one_line,
     learning_rate_schedule,
     positive_int,
     recipe_parser,
@@ -132,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "resident": args.input == "resident",  # one copy of the data serves every member
     }
-    if args.same_batches:
-        pipeline = data.TrainPipeline(train_source, **pipeline_args)
-    else:
-        pipeline = ensemble.MemberTrainPipeline(train_source, args.members, **pipeline_args)
+    with input_errors_in_one_line():
+        if args.same_batches:
+            pipeline = data.TrainPipeline(train_source, **pipeline_args)
+        else:
+            pipeline = ensemble.MemberTrainPipeline(train_source, args.members, **pipeline_args)
     eval_pipeline = data.EvalPipeline(
         test_source, global_batch_size=max(args.batch_size, 128), sharding=layout.batch_sharding
     )

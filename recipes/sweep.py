@@ -41,7 +41,13 @@ import argparse
 import sys
 
 import meshkit
-from recipes._args import add_input_options, positive_int, recipe_parser, write_summary
+from recipes._args import (
+    add_input_options,
+    input_errors_in_one_line,
+    positive_int,
+    recipe_parser,
+    write_summary,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,20 +127,22 @@ def main(argv: list[str] | None = None) -> int:
     elif args.halving:
         rungs = sorted({max(args.steps // 3, 1), max(2 * args.steps // 3, 1)} - {args.steps})
         schedule = sweep.SuccessiveHalving(rungs=tuple(rungs), refill=True)
-    result = sweep.run_sweep(
-        train.linen_model(MnistCNN(), jnp.zeros((1, 8, 8, 1))),
-        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
-        ensemble.classification_loss,
-        layout,
-        points,
-        pipeline=sweep.sweep_pipeline(
+    with input_errors_in_one_line():
+        pipeline = sweep.sweep_pipeline(
             train_source,
             points,
             layout,
             global_batch_size=args.batch_size,
             seed=args.seed,
             resident=args.input == "resident",
-        ),
+        )
+    result = sweep.run_sweep(
+        train.linen_model(MnistCNN(), jnp.zeros((1, 8, 8, 1))),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
+        ensemble.classification_loss,
+        layout,
+        points,
+        pipeline=pipeline,
         eval_pipeline=data.EvalPipeline(
             test_source, global_batch_size=128, sharding=layout.batch_sharding
         ),
