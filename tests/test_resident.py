@@ -109,6 +109,22 @@ def test_rows_split_over_two_data_axes_gather_the_same_batches():
     assert_bit_identical(got, host_batches(data.TrainPipeline(odd_source(), **common), 4))
 
 
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
+def test_split_rows_are_gathered_with_one_reduce_scatter_per_field_and_never_all_gathered():
+    """The dataset's rows stay where they are: no collective gathers them whole."""
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    pipeline = data.TrainPipeline(
+        odd_source(), global_batch_size=16, sharding=sharding, resident="sharded"
+    )
+    feed = ResidentChunks(pipeline)
+    stored, indices = feed.next_chunk(3)
+    gather = jax.jit(lambda d, xs: jax.lax.map(lambda x: feed.batch_of(d, x), xs))
+    hlo = gather.lower(stored, indices).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert hlo.count("reduce-scatter(") == len(stored)  # one per field, in the loop body
+
+
 @pytest.mark.once
 def test_each_member_gathers_its_own_order():
     layout = EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 3)
