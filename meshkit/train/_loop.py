@@ -488,6 +488,7 @@ class _Loop:
         interval: Interval | None = None
         pending = 0  # steps since the last log line (in ``interval``)
         began = 0.0  # when the timed group under way began
+        checked = start  # the last step reported to the preemption watcher
         evaluation = self.evaluation
         while step < num_steps:
             room = _room(step, num_steps, checkpoints, evaluation)
@@ -510,7 +511,8 @@ class _Loop:
                 sizes.timed(sum(plan), time.perf_counter() - began, queuing=self.queuing_seconds)
             last = step == num_steps
             evaluate = evaluation is not None and evaluation.due(step, last=last)
-            self.preempted = watcher.reached(step)
+            self.preempted = watcher.reached(step, steps=step - checked)
+            checked = step
             stop = self.preempted or self.stop_requested
             checkpointer.check(step)  # a save that failed in the background stops the run
             save = checkpoints.due(step, last=last, stopping=stop)

@@ -83,10 +83,22 @@ class PreemptionWatcher:
             signal.signal(signal.SIGINT, self._previous_int)
             self._previous_int = None
 
-    def reached(self, step: int) -> bool:
-        """Whether to save and stop after ``step``; call it at every step on every process."""
+    def reached(self, step: int, *, steps: int = 1) -> bool:
+        """Whether to save and stop after ``step``; call it after every dispatch on every
+        process, with the ``steps`` that dispatch ran (``step - steps + 1 .. step``).
+
+        JAX's service picks the step after the furthest one any process has reported
+        and answers ``True`` at exactly that step, so every step must be reported: a
+        dispatch of several steps reports each, and the run stops at the end of the
+        dispatch that holds the agreed step.
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps!r}.")
         if self._synced:
-            return multihost_utils.reached_preemption_sync_point(step)
+            return any(
+                multihost_utils.reached_preemption_sync_point(each)
+                for each in range(step - steps + 1, step + 1)
+            )
         if not self._watching:  # processes could stop at different steps: never stop
             return False
         return self._signalled.is_set() or _preemption_signals.requested()
