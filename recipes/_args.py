@@ -84,17 +84,24 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_input_options(
-    parser: argparse.ArgumentParser, *, steps_per_dispatch: int | str = "auto"
+    parser: argparse.ArgumentParser,
+    *,
+    steps_per_dispatch: int | str = "auto",
+    default_input: str | None = "resident",
+    input_help: str = "",
 ) -> None:
     """Adds ``--input`` (``resident``: the dataset on the devices, batches gathered there;
-    ``host``: each batch copied from the host) and ``--steps-per-dispatch`` (a number,
-    or ``auto``: measured at the start of the run; default ``steps_per_dispatch``)."""
+    ``host``: each batch copied from the host; default ``default_input``, ``None`` for a
+    recipe that decides after parsing, saying how in ``input_help``) and
+    ``--steps-per-dispatch`` (a number, or ``auto``: measured at the start of the run;
+    default ``steps_per_dispatch``)."""
     parser.add_argument(
         "--input",
         choices=["resident", "host"],
-        default="resident",
+        default=default_input,
         help="resident: the training set on the devices, each batch gathered there by "
-        "index (the same batches as host); host: each batch copied from the host",
+        "index (the same batches as host); host: each batch copied from the host"
+        + (f" ({input_help})" if input_help else ""),
     )
     parser.add_argument(
         "--steps-per-dispatch",

@@ -51,7 +51,8 @@ def test_default_data_and_model_learn_the_digits(tmp_path):
     assert summary["model"] == "resnet18" and summary["hyperparameters"]["width"] == 16
     assert summary["test_examples"] == 360 and summary["test_accuracy"] >= 0.9
     assert summary["train_step_compiles"] == 1 and summary["images_per_second_per_host"] > 0
-    assert summary["hyperparameters"]["augment"] == "device"  # the host decodes, the step crops
+    assert summary["hyperparameters"]["augment"] == "device"  # the step crops and flips
+    assert summary["input"].startswith("resident (replicated, 4.2 MiB per device), 1 step")
     assert summary["input_wait_fraction"] < 0.05
 
 

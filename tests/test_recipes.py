@@ -114,3 +114,17 @@ def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
         with pytest.raises(SystemExit):
             parse_args(["--microbatches", "0"])
         assert "argument --microbatches: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.once
+def test_image_input_and_augmentation_settings_that_conflict_are_refused_in_one_line(capsys):
+    from recipes.image_classification import parse_args
+
+    assert parse_args([]).input == "resident" and parse_args([]).augment == "device"
+    assert parse_args(["--input", "host"]).augment == "device"  # decoded on the host
+    assert parse_args(["--augment", "host"]).input == "host"
+    assert parse_args(["--image-size", "160"]).input == "host"  # augmented on the host
+    with pytest.raises(SystemExit):
+        parse_args(["--input", "resident", "--augment", "host"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert "Pass --augment device, or --input host." in error[-1], error

@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import meshkit
-from meshkit import data, train
+from meshkit import data, evaluate, train
+from meshkit.data import image
 from meshkit.ensemble import EnsembleLayout, MemberTrainPipeline
 from meshkit.models import MnistCNN
 from meshkit.testing import run_processes
@@ -120,7 +121,7 @@ def test_split_rows_are_gathered_with_one_reduce_scatter_per_field_and_never_all
     feed = ResidentChunks(pipeline)
     stored, indices = feed.next_chunk(3)
     gather = jax.jit(lambda d, xs: jax.lax.map(lambda x: feed.batch_of(d, x), xs))
-    hlo = gather.lower(stored, indices).compile().as_text()
+    hlo = gather.lower(stored, indices).compile().as_text() or ""
     assert "all-gather" not in hlo and "all-to-all" not in hlo
     assert hlo.count("reduce-scatter(") == len(stored)  # one per field, in the loop body
 
@@ -223,8 +224,13 @@ def test_auto_keeps_one_step_without_a_probe_when_queuing_is_a_small_part_of_a_s
     assert sizes.next(room=100) == 1  # no probe chunk to compile
     assert (
         sizes.describe()
-        == "1 step per dispatch (auto: 30000 us per step, its dispatch under 3% of it)"
+        == "1 step per dispatch (auto: 30 ms per step, its dispatch under 3% of it)"
     )
+    long = ChunkSizes("auto", period=100)  # 60 ms steps: no probe, whatever the queuing
+    for _ in range(4):
+        long.ran(long.next(room=100))
+    long.timed(24, 24 * 60e-3, queuing=24 * 5e-3)
+    assert long.chosen == 1 and long.next(room=100) == 1
 
 
 # --- fit: the same training whatever the input path and the steps per dispatch -------
@@ -370,16 +376,143 @@ def test_a_plain_python_step_is_refused_for_chunks_with_the_way_out(tmp_path):
 # --- several processes ------------------------------------------------------------------
 
 
-def child_streams() -> dict[str, tuple[list[dict], list[dict]]]:
-    """Each layout's resident batches and the host pipeline's, in this process."""
-    return {mode: streams("data=-1", mode)[:2] for mode in ("replicated", "sharded")}
+def child_streams(records: Path) -> dict[str, Any]:
+    """Each layout's resident batches and the host pipeline's, and an evaluation of the
+    JPEG test digits from the host and resident, in this process."""
+    by_mode: dict[str, Any] = {
+        mode: streams("data=-1", mode)[:2] for mode in ("replicated", "sharded")
+    }
+    host, resident, _ = eval_both_ways("data=-1", records)
+    by_mode["evaluation"] = [(r.metrics, r.per_example["logits"]) for r in (host, resident)]
+    return by_mode
 
 
 @pytest.mark.multiprocess
 @pytest.mark.devices(8)
-def test_two_processes_gather_the_same_batches_as_the_host_pipeline_and_one_process():
-    one_process = child_streams()
-    for by_mode in run_processes(child_streams):
+def test_two_processes_gather_the_same_batches_and_evaluate_alike(jpeg_records):
+    one_process = child_streams(jpeg_records["test"])
+    for by_mode in run_processes(child_streams, jpeg_records["test"]):
+        (host_metrics, host_logits), (metrics, logits) = by_mode.pop("evaluation")
+        assert metrics == host_metrics == one_process["evaluation"][1][0]
+        assert logits.tobytes() == host_logits.tobytes()
         for mode, (got, host) in by_mode.items():
             assert_bit_identical(got, host)
             assert_bit_identical(got, one_process[mode][0])
+
+
+# --- decoded once, and evaluation sets ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jpeg_records(tmp_path_factory) -> dict[str, Path]:
+    return data.write_digits_images(tmp_path_factory.mktemp("jpeg"), size=12)
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_jpeg_records_decoded_once_give_the_host_pipelines_batches(jpeg_records, mode):
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    common: dict[str, Any] = {
+        "global_batch_size": 400,  # 1,437 training images: three batches an epoch, 37 dropped
+        "sharding": sharding,
+        "seed": 5,
+        "transform": image.decode_transform(12),
+    }
+    source = data.image_records(jpeg_records["train"])
+    resident = data.TrainPipeline(source, resident=mode, **common)
+    host = data.TrainPipeline(source, **common)
+    assert resident.resident_bytes == (
+        1437 if mode == "replicated" else -(-1437 // jax.device_count())
+    ) * (12 * 12 * 3 + 4)
+    assert_bit_identical(resident_batches(resident, 7), host_batches(host, 7))
+
+
+class MixedSizes:
+    """JPEG records of two sizes, as a folder of photos gives."""
+
+    fingerprint = "mixed sizes"
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        side = 16 if index < 13 else 20
+        return {"image": image.encode(np.zeros((side, side, 3), np.uint8)), "label": 0}
+
+
+@pytest.mark.once
+def test_resident_records_of_several_sizes_are_refused_naming_the_example():
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    pipeline = data.TrainPipeline(
+        MixedSizes(),  # pyright: ignore[reportArgumentType]
+        global_batch_size=8,
+        sharding=sharding,
+        transform=image.decode_transform(),
+        resident=True,
+    )
+    with pytest.raises(ValueError, match=r"example 13's 'image' has shape \(20, 20, 3\) but"):
+        _ = pipeline.resident_data
+    sized = data.TrainPipeline(
+        MixedSizes(),  # pyright: ignore[reportArgumentType]
+        global_batch_size=8,
+        sharding=sharding,
+        transform=image.decode_transform(16),
+        resident=True,
+    )
+    assert sized.resident_data is not None
+    assert sized.resident_data.arrays["image"].shape == (20, 16, 16, 3)
+
+
+def eval_both_ways(mesh_text: str, records: Path) -> tuple[Any, Any, data.EvalPipeline]:
+    """``full_eval`` of a fixed linear model over the JPEG test digits (360: not a
+    multiple of the batch), from the host and resident."""
+    sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh_text))
+    transform = image.eval_transform(12, mean=0.5, std=0.25, crop_fraction=1.0)
+    weights = np.random.default_rng(0).normal(size=(12 * 12 * 3, 10)).astype(np.float32)
+
+    def per_example(w, batch):
+        logits = batch["image"].reshape(batch["image"].shape[0], -1) @ w
+        labels = batch["label"]
+        return {
+            "loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+            "accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
+            "logits": logits,
+        }
+
+    results = []
+    for resident in (False, True):
+        pipeline = data.EvalPipeline(
+            data.image_records(records),
+            global_batch_size=64,
+            sharding=sharding,
+            transform=transform,
+            resident=resident,
+        )
+        results.append(evaluate.full_eval(per_example, weights, pipeline, collect=["logits"]))
+    return results[0], results[1], pipeline
+
+
+@pytest.mark.parametrize("mesh_text", ["data=-1", "data=2,fsdp=-1"])
+def test_a_resident_evaluation_equals_the_host_one_example_for_example(jpeg_records, mesh_text):
+    if mesh_text != "data=-1" and jax.device_count() != 8:
+        pytest.skip("two data axes: the 8-device pass")
+    host, resident, pipeline = eval_both_ways(mesh_text, jpeg_records["test"])
+    assert resident.count == host.count == 360 and resident.num_steps == host.num_steps == 6
+    assert resident.metrics == host.metrics  # the same images, decoded once
+    assert resident.per_example["logits"].tobytes() == host.per_example["logits"].tobytes()
+    rows_per_device = pipeline.sharding.shard_shape((64,))[0]
+    assert pipeline.resident_bytes == 6 * rows_per_device * (12 * 12 * 3 * 4 + 4)
+
+
+@pytest.mark.once
+def test_a_resident_evaluation_set_too_large_is_refused_when_built(monkeypatch, jpeg_records):
+    monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1e5")
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    with pytest.raises(ValueError, match=r"needs 649\.5 KiB per device to be resident") as error:
+        data.EvalPipeline(
+            data.image_records(jpeg_records["test"]),
+            global_batch_size=64,
+            sharding=sharding,
+            transform=image.eval_transform(12, mean=0.5, std=0.25, crop_fraction=1.0),
+            resident=True,
+        )
+    assert "resident=False" in str(error.value) and "\n" not in str(error.value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,16 @@ from jax.sharding import NamedSharding
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
 from meshkit.data._labels import check_labels
-from meshkit.data._resident import ResidentData, ResidentMode, choose_layout, place_resident
+from meshkit.data._resident import (
+    ResidentData,
+    ResidentMode,
+    check_eval_fits,
+    choose_layout,
+    eval_batches_bytes,
+    place_eval_batches,
+    place_resident,
+    read_all,
+)
 from meshkit.data._source import Record, Source, source_fingerprint, stack_records
 
 Transform = Callable[[Record, np.random.Generator], Record]
@@ -193,6 +203,7 @@ class _Pipeline:
         # arrays: devices don't pickle, and workers only build host batches.
         state = {**self.__dict__, "sharding": None}
         state.pop("resident_data", None)
+        state.pop("resident_batches", None)
         return state
 
 
@@ -230,8 +241,10 @@ class TrainPipeline(_Pipeline):
         ``fit`` gather each batch there by index (the same examples in the same order
         as host input): replicated when it fits within a quarter of one device's
         memory, else its rows split over the data axes. ``"replicated"`` or
-        ``"sharded"`` chooses the layout. Needs an in-memory source and no host
-        ``transform`` (augment in the step: ``device_augmentation(...).wrap``).
+        ``"sharded"`` chooses the layout. Needs an in-memory source, or a
+        ``transform`` that draws nothing (its ``deterministic`` attribute is true, as
+        ``decode_transform()``'s is), which then runs once over every example when the
+        data is placed; augment in the step (``device_augmentation(...).wrap``).
         ``resident_data`` says where it went.
 
     Examples:
@@ -300,34 +313,61 @@ class TrainPipeline(_Pipeline):
             raise ValueError(
                 f"resident must be True, False, 'replicated' or 'sharded', got {resident!r}."
             )
-        if self.transform is not None:
+        once = self.transform is not None and getattr(self.transform, "deterministic", False)
+        if self.transform is not None and not once:
             name = getattr(self.transform, "__name__", type(self.transform).__name__)
             raise ValueError(
-                f"resident={resident!r} gathers batches on the devices, where the host "
-                f"transform {name} cannot run. Pass transform=None "
-                "(convert the arrays once, before building the source) and augment in the "
-                "step with meshkit.data.image.device_augmentation(...).wrap(loss_fn), or "
+                f"resident={resident!r} gathers batches on the devices, where the random "
+                f"host transform {name} cannot run. Pass a transform that draws nothing "
+                "(decode_transform(), run once when the data is placed) or none, augment in "
+                "the step with meshkit.data.image.device_augmentation(...).wrap(loss_fn), or "
                 "keep resident=False."
             )
-        if not isinstance(getattr(self.source, "arrays", None), dict) and not callable(
-            getattr(self.source, "getitems", None)
+        if (
+            not once
+            and not isinstance(getattr(self.source, "arrays", None), dict)
+            and not callable(getattr(self.source, "getitems", None))
         ):
             raise ValueError(
                 f"resident={resident!r} needs an in-memory source whose examples can be read "
                 f"all at once (ArraySource, digits, mnist, cifar10...), got {self.source!r}. Load "
-                "the arrays into an ArraySource, or keep resident=False."
+                "the arrays into an ArraySource, pass a decoding transform (decode_transform(), "
+                "run once over every record), or keep resident=False."
             )
         mode = None if resident is True else resident
-        return choose_layout(
+        return choose_layout(  # for a transform: one example transformed, the rest later
             self._source_length,
-            self.source[0],
+            self._placed_example(0) if once else self.source[0],
             self.sharding,
             mode=mode,
             what=repr(self.source),
         )
 
+    def _placed_example(self, index: int) -> Record:
+        """Source example ``index`` as a resident dataset stores it: through the
+        deterministic transform, when there is one."""
+        record = self.source[index]
+        if self.transform is None:
+            return record
+        try:
+            return self.transform(record, None)  # pyright: ignore[reportArgumentType]
+        except Exception as error:
+            error.add_note(
+                f"[meshkit] while the transform {type(self.transform).__name__} read source "
+                f"index {index} of {self.source!r}, to place the dataset on the devices"
+            )
+            raise
+
     def _source_arrays(self) -> Record:
-        """Every example of the source, field by field (for resident data)."""
+        """Every example of the source, field by field (for resident data); a
+        deterministic transform runs here, once per example."""
+        if self.transform is not None:
+            return read_all(
+                self._source_length,
+                self._placed_example,
+                threads=os.cpu_count() or 1,
+                what=repr(self.source),
+            )
         arrays = getattr(self.source, "arrays", None)
         if isinstance(arrays, dict):
             return arrays
@@ -492,6 +532,13 @@ class EvalPipeline(_Pipeline):
     batch) with a ``ValueError`` naming both lengths, rather than evaluated short or
     past its end: build a new ``EvalPipeline`` over the source as it is now.
 
+    ``resident=True`` runs ``transform`` once over every example and places the padded
+    batches on the devices (``resident_batches``: ``[num_steps, global_batch_size,
+    ...]``, each batch's rows where a host batch's would be); ``full_eval`` then slices
+    each batch there and sends nothing per step. The bytes per device
+    (``resident_bytes``) are checked against the resident limit when the pipeline is
+    built (``MESHKIT_RESIDENT_BYTES``; see ``TrainPipeline``).
+
     Examples:
         >>> import numpy as np, meshkit
         >>> from meshkit.data import ArraySource, EvalPipeline
@@ -516,6 +563,7 @@ class EvalPipeline(_Pipeline):
         num_threads: int | None = None,
         prefetch: int = 4,
         worker_count: int = 0,
+        resident: bool = False,
     ):
         super().__init__(
             source,
@@ -529,6 +577,28 @@ class EvalPipeline(_Pipeline):
         self.transform = transform
         self.num_examples = self._source_length
         self.num_steps = math.ceil(self.num_examples / global_batch_size)
+        if not isinstance(resident, bool | np.bool_):
+            raise TypeError(f"resident must be True or False, got {resident!r}.")
+        self.resident = bool(resident)
+        self.resident_bytes = 0
+        if self.resident:  # checked now, so an evaluation set too large fails before training
+            self.resident_bytes = eval_batches_bytes(
+                self.num_steps, global_batch_size, self._template, sharding
+            )
+            check_eval_fits(self.resident_bytes, sharding, what=repr(source))
+
+    @functools.cached_property
+    def resident_batches(self) -> dict[str, Any]:
+        """The padded batches on the devices, ``[num_steps, global_batch_size, ...]`` per
+        field (placed, transformed once, the first time this is read); ``{}`` for host
+        input. Each batch's rows sit where a host batch's would."""
+        if not self.resident:
+            return {}
+        self._check_source_length()
+        arrays = read_all(
+            self.num_examples, self._record, threads=os.cpu_count() or 1, what=repr(self.source)
+        )
+        return place_eval_batches(arrays, self.sharding, self.global_batch_size)
 
     @functools.cached_property
     def _template(self) -> Record:

@@ -17,19 +17,29 @@ Either way the batch equals, bit for bit, the one the host pipeline builds from 
 same indices: the gather copies the stored values, and the sharded layout adds them
 as unsigned integers of the same width (a value plus zeros), so no bit pattern (not
 even ``-0.0`` or a NaN payload) changes.
+
+A deterministic transform (decoding images, an evaluation's centre crop) runs once,
+over every example, when the dataset is placed (``read_all``): a resident JPEG dataset
+is decoded once, not once per epoch.
+
+An evaluation set is placed as its padded batches (``place_eval_batches``): batch
+``k``'s rows sit on the devices that evaluate them, so an evaluation step slices
+its batch locally and nothing is gathered at all.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
 
 from meshkit._batch import leading_dim_shards, pad_rows
 from meshkit._describe import format_bytes
@@ -213,6 +223,101 @@ def place_resident(
         padded, _ = pad_rows(arrays, rows)
         placed = {key: _place(value, sharding) for key, value in padded.items()}
     return ResidentData(placed, mode, batch_sharding, num_examples, bytes_per_device)
+
+
+def read_all(
+    num_examples: int,
+    read: Callable[[int], Mapping[str, Any]],
+    *,
+    threads: int,
+    what: str,
+) -> dict[str, np.ndarray]:
+    """Every example ``read(i)`` (``i < num_examples``), stacked field by field into
+    arrays allocated once; ``threads`` read at once (decoders release the GIL), with a
+    progress bar on process 0 for large datasets.
+
+    Raises:
+      ValueError: an example's field has another shape than example 0's (images of
+        several sizes: give the decoding transform a size).
+    """
+    first = {key: np.asarray(value) for key, value in read(0).items()}
+    out = {key: np.empty((num_examples, *value.shape), value.dtype) for key, value in first.items()}
+
+    def fill(lo: int, hi: int) -> int:
+        for index in range(lo, hi):
+            record = first if index == 0 else read(index)
+            for key, array in out.items():
+                value = np.asarray(record[key])
+                if value.shape != array.shape[1:]:
+                    raise ValueError(
+                        f"{what}: example {index}'s {key!r} has shape {value.shape} but "
+                        f"example 0's has {array.shape[1:]}; resident data stacks every "
+                        "example, so each field needs one shape (give the decoding "
+                        "transform a size, e.g. decode_transform(64))."
+                    )
+                array[index] = value
+        return hi - lo
+
+    chunk = 256
+    spans = [(lo, min(lo + chunk, num_examples)) for lo in range(0, num_examples, chunk)]
+    bar = tqdm(
+        total=num_examples,
+        desc="placing the dataset on the devices",
+        unit="example",
+        disable=num_examples < _PROGRESS_FROM or jax.process_index() != 0,
+        leave=False,
+    )
+    with bar, concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        for done in pool.map(lambda span: fill(*span), spans):
+            bar.update(done)
+    return out
+
+
+_PROGRESS_FROM = 20_000  # examples: smaller datasets are read in a few seconds at most
+
+
+def eval_batches_bytes(
+    num_steps: int,
+    global_batch_size: int,
+    example: Mapping[str, Any],
+    batch_sharding: NamedSharding,
+) -> int:
+    """The bytes per device of an evaluation set placed as ``num_steps`` padded batches."""
+    rows_per_device = num_steps * (global_batch_size // leading_dim_shards(batch_sharding))
+    return rows_per_device * _bytes_per_row(example)
+
+
+def check_eval_fits(bytes_per_device: int, batch_sharding: NamedSharding, *, what: str) -> None:
+    """Raises a one-line ``ValueError`` when a resident evaluation set of
+    ``bytes_per_device`` exceeds ``resident_limit_bytes``."""
+    mesh = batch_sharding.mesh
+    assert isinstance(mesh, Mesh)
+    limit, source = resident_limit_bytes(mesh.devices.flat[0])
+    if bytes_per_device > limit:
+        raise ValueError(
+            f"{what} needs {format_bytes(bytes_per_device)} per device to be resident (its "
+            f"padded batches split over the data shards); resident data may take "
+            f"{format_bytes(limit)} per device ({source}). Read the evaluation batches from "
+            f"the host instead (resident=False), or set {LIMIT_VARIABLE} to the bytes per "
+            "device it may take."
+        )
+
+
+def place_eval_batches(
+    arrays: Mapping[str, np.ndarray], batch_sharding: NamedSharding, global_batch_size: int
+) -> dict[str, jax.Array]:
+    """``arrays`` (one row per example) zero-padded to whole global batches and placed
+    as ``[steps, global_batch_size, ...]``: each batch's rows split over the data axes as
+    a host batch is, so batch ``k`` is a local slice on every device."""
+    arrays = device_arrays(arrays)
+    num_examples = len(next(iter(arrays.values())))
+    steps = -(-num_examples // global_batch_size)
+    padded, _ = pad_rows(arrays, steps * global_batch_size)
+    sharding = NamedSharding(batch_sharding.mesh, PartitionSpec(None, *batch_sharding.spec))
+    return {
+        key: _place(value.reshape(steps, global_batch_size, *value.shape[1:]), sharding)
+        for key, value in padded.items()
+    }
 
 
 def _too_large(

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshkit._batch import batch_sharding
 from meshkit._host import replicated_sharding, to_host
@@ -45,14 +46,12 @@ class EvalResult:
     num_steps: int
 
 
-@functools.lru_cache(maxsize=32)
-def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mesh) -> Any:
-    """One jitted step per (function, collected names, mesh): compiled once per batch shape.
+def _eval_body(per_example_fn: PerExampleFn, collect: tuple[str, ...]) -> Any:
+    """``(state, batch, totals) -> (totals, kept)``: one batch's masked sums added.
 
     Every value ``per_example_fn`` returns, collected or averaged, is checked to have
     the batch's leading dimension while the step is traced (once per compile).
     """
-    replicated = replicated_sharding(mesh)
 
     def eval_step(state: Any, batch: Mapping[str, jax.Array], totals: Totals) -> Any:
         values = per_example_values(per_example_fn, state, batch)  # in its logical rules
@@ -62,7 +61,50 @@ def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mes
         sums = masked_sums(values, batch["mask"], what=what)
         return {name: totals[name] + sums[name] for name in sums}, kept
 
-    return jax.jit(eval_step, out_shardings=(replicated, None))
+    return eval_step
+
+
+@functools.lru_cache(maxsize=32)
+def _eval_step(per_example_fn: PerExampleFn, collect: tuple[str, ...], mesh: Mesh) -> Any:
+    """One jitted step per (function, collected names, mesh): compiled once per batch shape."""
+    replicated = replicated_sharding(mesh)
+    return jax.jit(_eval_body(per_example_fn, collect), out_shardings=(replicated, None))
+
+
+@functools.lru_cache(maxsize=32)
+def _resident_eval_step(
+    per_example_fn: PerExampleFn,
+    collect: tuple[str, ...],
+    sharding: NamedSharding,
+    num_examples: int,
+) -> Any:
+    """The step over resident batches: ``(state, batches, k, totals) -> (k + 1, totals,
+    kept, index)``. Batch ``k`` is a slice every device takes of its own rows; its mask
+    and indices are computed there, as the host pipeline writes them."""
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    replicated = replicated_sharding(mesh)
+    body = _eval_body(per_example_fn, collect)
+
+    def resident_eval_step(
+        state: Any, batches: Mapping[str, jax.Array], k: jax.Array, totals: Totals
+    ) -> Any:
+        batch = {key: _batch(value, k, sharding) for key, value in batches.items()}
+        rows = next(iter(batches.values())).shape[1]
+        positions = k * rows + jnp.arange(rows, dtype=jnp.int32)
+        mask = positions < num_examples
+        batch["mask"] = jax.lax.with_sharding_constraint(mask, sharding)
+        batch["index"] = jax.lax.with_sharding_constraint(jnp.where(mask, positions, -1), sharding)
+        new_totals, kept = body(state, batch, totals)
+        return k + 1, new_totals, kept, batch["index"]
+
+    return jax.jit(resident_eval_step, out_shardings=(replicated, replicated, None, None))
+
+
+def _batch(batches: jax.Array, k: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Batch ``k`` of ``[steps, rows, ...]`` resident batches, rows split as ``sharding``."""
+    batch = jax.lax.dynamic_index_in_dim(batches, k, axis=0, keepdims=False)
+    return jax.lax.with_sharding_constraint(batch, sharding)
 
 
 def _as_pipeline(
@@ -160,19 +202,55 @@ def full_eval(
         for name, value in to_host(dict(kept)).items():
             parts[name].append(value[real])
 
-    with GlobalBatchIterator(pipeline) as batches:
-        for batch in batches:
-            if totals is None:
-                totals = zero_totals(per_example_fn, state, batch, pipeline_mesh, collect)
-            new_totals, kept = step(state, batch, totals)
-            totals = new_totals
-            for done in window.push((batch["index"], kept), new_totals["count"]):
-                if collect:
-                    keep(*done)
+    if pipeline.resident:
+        totals = _resident_passes(
+            per_example_fn, state, pipeline, collect, window=window, keep=keep
+        )
+    else:
+        with GlobalBatchIterator(pipeline) as batches:
+            for batch in batches:
+                if totals is None:
+                    totals = zero_totals(per_example_fn, state, batch, pipeline_mesh, collect)
+                new_totals, kept = step(state, batch, totals)
+                totals = new_totals
+                for done in window.push((batch["index"], kept), new_totals["count"]):
+                    if collect:
+                        keep(*done)
     for done in window.drain():
         if collect:
             keep(*done)
     return _result(totals, pipeline, collect, indices, parts)
+
+
+def _resident_passes(
+    per_example_fn: PerExampleFn,
+    state: Any,
+    pipeline: EvalPipeline,
+    collect: tuple[str, ...],
+    *,
+    window: InFlight[tuple[jax.Array, Mapping[str, jax.Array]]],
+    keep: Callable[[jax.Array, Mapping[str, jax.Array]], None],
+) -> Totals:
+    """The steps over resident batches: each dispatch sends nothing but the state."""
+    batches = pipeline.resident_batches
+    sharding = pipeline.sharding
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    example = {
+        key: jax.ShapeDtypeStruct(value.shape[1:], value.dtype) for key, value in batches.items()
+    }
+    rows = pipeline.global_batch_size
+    example["mask"] = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    example["index"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    totals = zero_totals(per_example_fn, state, example, mesh, collect)
+    step = _resident_eval_step(per_example_fn, collect, sharding, pipeline.num_examples)
+    k = jax.device_put(np.zeros((), np.int32), replicated_sharding(mesh))
+    for _ in range(pipeline.num_steps or 0):
+        k, totals, kept, index = step(state, batches, k, totals)
+        for done in window.push((index, kept), totals["count"]):
+            if collect:
+                keep(*done)
+    return totals
 
 
 def _result(

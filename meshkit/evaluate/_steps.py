@@ -156,7 +156,7 @@ class _Unhashed:
 def zero_totals(
     per_example_fn: PerExampleFn,
     state: Any,
-    batch: Mapping[str, jax.Array],
+    batch: Mapping[str, Any],
     mesh: Mesh,
     collect: Sequence[str] = (),
 ) -> Totals:

@@ -120,6 +120,12 @@ OVERHEAD_TARGET = 0.03
 """``'auto'`` chooses the smallest chunk whose dispatch overhead is below this share of
 the time per step."""
 
+LONG_STEP_SECONDS = 0.05
+"""A step at least this long keeps one step per dispatch under ``'auto'`` without a
+probe: a dispatch costs tens of microseconds on an accelerator and well under a
+millisecond of host work on a CPU, under 3% of such a step, while the probe's compile
+(an unrolled chunk of a large step on a CPU) can take longer than the run saves."""
+
 MAX_AUTO_STEPS = 256
 """The largest chunk ``'auto'`` chooses on an accelerator."""
 
@@ -277,13 +283,15 @@ class ChunkSizes:
         the host spent ``queuing`` building and queuing them.
 
         After the one-step group: when even twice the host's queuing time per dispatch
-        (a bound on what a dispatch costs) is below the target share of a step, the
-        step is long enough as it is: one step per dispatch, with no probe to compile.
+        (a bound on what a dispatch costs) is below the target share of a step, or the
+        step takes ``LONG_STEP_SECONDS`` or more, the step is long enough as it is: one
+        step per dispatch, with no probe to compile.
         """
         if self._phase == "time":
             self._one = seconds / steps
             self._phase = "compile"
-            if 2 * queuing / steps <= OVERHEAD_TARGET * self._one:
+            cheap = 2 * queuing / steps <= OVERHEAD_TARGET * self._one
+            if cheap or self._one >= LONG_STEP_SECONDS:
                 self.chosen, self._phase = 1, "done"
         elif self._phase == "probe":
             assert self._one is not None
@@ -301,10 +309,15 @@ class ChunkSizes:
                 f" (auto: {m.overhead * 1e6:.0f} us per dispatch, {m.device * 1e6:.0f} us per step)"
             )
         elif self.setting == "auto" and self._one is not None and self.chosen == 1:
-            text += f" (auto: {self._one * 1e6:.0f} us per step, its dispatch under 3% of it)"
+            text += f" (auto: {_duration(self._one)} per step, its dispatch under 3% of it)"
         elif self.setting == "auto":
             text += " (auto: the run ended before the measurement)"
         return text
+
+
+def _duration(seconds: float) -> str:
+    """``"41 us"`` under 10 ms, ``"196 ms"`` from there."""
+    return f"{seconds * 1e6:.0f} us" if seconds < 0.01 else f"{seconds * 1e3:.0f} ms"
 
 
 def boundary_period(*periods: int | None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ class DecodeTransform:
 
     size: tuple[int, int] | None = None
     channels: int = 3
+    deterministic: ClassVar[bool] = True  # nothing drawn: a resident pipeline runs it once
 
     def __call__(self, record: Mapping[str, Any], rng: Any = None) -> Record:
         del rng  # nothing random on the host
