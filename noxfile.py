@@ -29,7 +29,7 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     parallel = ["-n", WORKERS, "--dist", "loadfile"]
-    single = "not multiprocess and not slurm"
+    single = "not multiprocess and not slurm and not tpu"
     cache = _compilation_cache(session)
     session.run(
         "pytest",
@@ -45,7 +45,7 @@ def tests(session: nox.Session) -> None:
     )
     # One at a time: each starts JAX processes of its own, and the signal and timing
     # tests among them need the cores they were written for.
-    session.run("pytest", "tests", "-m", "multiprocess", *args, env=cache)
+    session.run("pytest", "tests", "-m", "multiprocess and not tpu", *args, env=cache)
     _slurm_tests(session, args, env=cache)
 
 
@@ -77,6 +77,16 @@ def slurm(session: nox.Session) -> None:
     missing; they skip, saying why, where they cannot). ``nox -s tests`` runs them last."""
     session.install("-e", ".[test]")
     _slurm_tests(session, ["--durations=10", *session.posargs])
+
+
+@nox.session(python=PYTHON)
+def plan_tpu(session: nox.Session) -> None:
+    """The planner through the TPU compiler (installs ``meshkit[tpu]``, libtpu, about
+    a 100 MB download): the 1.3B model on a v5e-256 with its refused layouts as rows,
+    two planners at once, and libtpu quiet on a machine without TPUs. Several minutes;
+    not part of ``tests``, whose machines have no libtpu."""
+    session.install("-e", ".[test,tpu]")
+    session.run("pytest", "tests", "-m", "tpu", "-rs", "--durations=10", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -315,3 +315,96 @@ def test_the_recipe_prints_a_ranked_plan_and_writes_it(tmp_path) -> None:  # typ
     layouts = json.loads((tmp_path / "plan_h100x64.json").read_text())["layouts"]
     assert len(layouts) == 3 and layouts[0]["num_params"] > 1.3e9
     assert (tmp_path / "plan_h100x64.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_loop_without_a_trip_count_annotation_is_counted_by_its_condition() -> None:
+    """The TPU compiler writes no ``known_trip_count``: the condition's bound counts."""
+    import re
+
+    def body(h, w):
+        return jnp.tanh(h @ w), None
+
+    def f(ws, x):
+        return jax.lax.scan(body, x, ws)[0].sum()
+
+    ws, x = jnp.zeros((12, 64, 64)), jnp.zeros((32, 64))
+    text = jax.jit(jax.grad(f)).lower(ws, x).compile().as_text() or ""
+    assert '"known_trip_count"' in text  # XLA:CPU annotates its loops
+    bare = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+    annotated, unannotated = (_hlo.program_counts(t, [0]) for t in (text, bare))
+    assert unannotated.dot_flops == annotated.dot_flops > 10 * annotated.dot_flops_once
+
+
+@pytest.mark.parametrize(
+    ("message", "note"),
+    [
+        (
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (18.82G) exceeds available HBM (15.75G).",
+            "refused it for memory: HLO temporaries need 18.82 GiB, 15.75 GiB available "
+            "(3.07 GiB over)",
+        ),
+        ("INTERNAL: a failure of the compiler", "could not compile it: RuntimeError: INTERNAL"),
+    ],
+)
+def test_a_layout_the_compiler_refuses_is_a_row_and_the_others_are_planned(
+    monkeypatch, tmp_path, message: str, note: str
+) -> None:  # type: ignore[no-untyped-def]
+    compile_once = jax.stages.Lowered.compile
+    calls = []
+
+    def compile_or_refuse(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return compile_once(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_or_refuse)
+    fsdp = meshkit.PartitionRules.fsdp("data", min_size=1024)
+    layouts = [
+        planning.Layout({"data": 8}, None, precision="f32", name="refused"),
+        planning.Layout({"data": 8}, fsdp, precision="f32", name="fsdp"),
+    ]
+    result = planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+    assert [r.layout.name for r in result.reports] == ["fsdp", "refused"]
+    assert result.best.layout.name == "fsdp"
+    refused = result.reports[1]
+    assert not refused.fits and note in refused.measurement.error
+    assert refused.measurement.params_bytes == _report("replicated").measurement.params_bytes
+    if "memory" in note:
+        assert refused.measurement.temp_bytes == int(18.82 * 2**30)
+    table = result.table().splitlines()
+    assert table[-1].startswith(" 2  refused: XLA:CPU") and note in table[-1]
+    assert " -  not compiled" in table[-2]
+    record = json.loads(result.write_json(tmp_path / "plan.json").read_text())["layouts"][1]
+    assert record["fits"] is False and record["flops_per_device"] is None
+    assert note in record["error"] and record["estimated_step_seconds"] is None
+
+
+@pytest.mark.once(8)
+@pytest.mark.parametrize(
+    ("name", "conv"),
+    [
+        ("same 3x3", {"window_strides": (1, 1), "padding": "SAME"}),
+        ("strided valid 5x5", {"window_strides": (2, 2), "padding": "VALID"}),
+        ("atrous", {"window_strides": (1, 1), "padding": "SAME", "rhs_dilation": (2, 2)}),
+        (
+            "transposed",
+            {"window_strides": (1, 1), "padding": ((2, 2), (2, 2)), "lhs_dilation": (2, 2)},
+        ),
+    ],
+)
+def test_convolution_flops_count_only_taps_on_real_inputs(name: str, conv: dict) -> None:
+    """Against XLA:CPU's own count for a program of one convolution (no loop)."""
+    size = 5 if "5x5" in name else 3
+    x = jnp.zeros((2, 9, 11, 3))
+    w = jnp.zeros((size, size, 3, 4))
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, dimension_numbers=("NHWC", "HWIO", "NHWC"), **conv
+        )
+
+    compiled = jax.jit(f).lower(x, w).compile()
+    counted = _hlo.program_counts(compiled.as_text() or "", [0]).dot_flops
+    assert counted == pytest.approx((compiled.cost_analysis() or {})["flops"], rel=0.02), name

@@ -1,7 +1,8 @@
 """What a compiled program does per step, read from its optimized HLO text.
 
 XLA's own ``cost_analysis()`` counts the body of a ``while`` loop once, whatever its
-trip count, so a model whose layers run under ``nn.scan`` would look one layer deep.
+trip count, so a model whose layers run under ``nn.scan`` would look one layer deep
+(XLA:CPU's and the TPU compiler's alike).
 This module reads the program itself: its computations, how often each one runs
 (loop trip counts multiply), the FLOPs of its matrix products and convolutions, and
 every collective with its replica groups.
@@ -200,9 +201,56 @@ def _callees(instruction: Instruction) -> list[tuple[str, str]]:
     return calls
 
 
-def _trip_count(instruction: Instruction) -> int:
+def _trip_count(instruction: Instruction, computations: dict[str, list[Instruction]]) -> int:
+    """A ``while`` loop's trip count: XLA's ``known_trip_count`` annotation (XLA:CPU and
+    XLA:GPU write it), else the bound of its condition (the TPU compiler writes none).
+    Loops without either count once."""
     match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instruction.rest)
-    return int(match.group(1)) if match else 1
+    if match:
+        return int(match.group(1))
+    condition = dict(_callees(instruction)).get("condition")
+    bound = _condition_bound(computations.get(condition or "", []), computations)
+    return bound if bound is not None else 1
+
+
+def _condition_bound(
+    condition: list[Instruction], computations: dict[str, list[Instruction]]
+) -> int | None:
+    """``n`` in a loop condition ``ROOT compare(counter, constant(n)), direction=LT``
+    (or a fusion wrapping that compare, as XLA:CPU writes it): the trip count of a loop
+    whose counter starts at 0 and steps by 1, as every ``lax.scan`` and ``fori_loop``
+    from 0 (and so ``nn.scan``) does."""
+    if not condition:
+        return None
+    root = condition[-1]
+    compare = root
+    if root.opcode == "fusion":  # the compare inside, on the fusion's operands in order
+        called = dict(_callees(root)).get("calls")
+        inner = computations.get(called or "", [])
+        compare = inner[-1] if inner else root
+        if compare.opcode != "compare" or not _on_parameters(compare, inner):
+            return None
+    if compare.opcode != "compare" or "direction=LT" not in compare.rest:
+        return None
+    constants = {
+        i.name: i.rest for i in condition if i.opcode == "constant" and i.shape.startswith("s32")
+    }
+    operands = _operands(root)
+    if len(operands) != 2 or operands[1] not in constants:
+        return None
+    value = re.match(r"constant\((-?\d+)\)", constants[operands[1]])
+    return int(value.group(1)) if value and int(value.group(1)) > 0 else None
+
+
+def _on_parameters(compare: Instruction, computation: list[Instruction]) -> bool:
+    """Whether ``compare`` takes its computation's parameters 0 and 1, in that order."""
+    number = {
+        i.name: re.match(r"parameter\((\d+)\)", i.rest)
+        for i in computation
+        if i.opcode == "parameter"
+    }
+    order = [number[name] for name in _operands(compare) if name in number]
+    return [int(m.group(1)) for m in order if m] == [0, 1]
 
 
 def _run_counts(
@@ -214,7 +262,8 @@ def _run_counts(
     def visit(name: str, times: int) -> None:
         counts[name] = counts.get(name, 0) + times
         for instruction in computations.get(name, ()):
-            trips = _trip_count(instruction) if instruction.opcode == "while" and with_trips else 1
+            looped = instruction.opcode == "while" and with_trips
+            trips = _trip_count(instruction, computations) if looped else 1
             for attribute, callee in _callees(instruction):
                 if attribute == "to_apply" and instruction.opcode != "call":
                     continue  # a reduction's scalar function, not a computation run per step
@@ -222,6 +271,20 @@ def _run_counts(
 
     visit(entry, 1)
     return counts
+
+
+def _from_the_model(instruction: Instruction) -> bool:
+    """Whether a product or convolution is the program's own work. The TPU compiler
+    writes products as convolutions, and also some data movement (a broadcast or a
+    dynamic update, as a dilated convolution): a ``convolution`` counts when its source
+    (``op_name``) was a product or a convolution. Instructions without metadata count."""
+    if instruction.opcode != "convolution":
+        return True
+    source = re.search(r'op_name="([^"]*)"', instruction.rest)
+    if source is None:
+        return True
+    operation = source.group(1).rsplit("/", 1)[-1]
+    return any(kind in operation for kind in ("dot", "conv", "einsum", "matmul"))
 
 
 def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -234,11 +297,73 @@ def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
         contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.rest)
         dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
         return 2.0 * out * math.prod(lhs[d] for d in dims if d < len(lhs))
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.rest)
-    if not labels or "o" not in labels.group(1) or not rhs:
+    return _convolution_flops(instruction, lhs, rhs)
+
+
+def _convolution_flops(instruction: Instruction, lhs: list[int], rhs: list[int]) -> float:
+    """2 x output batch x output features x input features per group x the (output
+    position, kernel tap) pairs that land on a real input element, per spatial dimension.
+
+    Taps on padding or on the holes of a dilated input multiply zeros and are not
+    counted: the TPU compiler writes batched products (attention's) as convolutions
+    whose batch and head dimensions are dilated spatial windows hitting one element
+    each, which a count of every tap would put 24x too high.
+    """
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.rest)
+    out = _dims(instruction.shape)
+    if not labels or not rhs or not lhs:
         return 0.0
-    out_features = rhs[labels.group(1).index("o")]
-    return 2.0 * out * math.prod(rhs) / max(out_features, 1)
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    if not {"o", "i"} <= set(rhs_labels) or "b" not in out_labels:
+        return 0.0
+    window = _window(instruction.rest)
+    pairs = 1
+    for k, label in enumerate(sorted(c for c in out_labels if c.isdigit())):
+        lo = window["pad"][k][0] if "pad" in window else 0
+        pairs *= _valid_taps(
+            size=lhs[lhs_labels.index(label)],
+            window=rhs[rhs_labels.index(label)],
+            outputs=out[out_labels.index(label)],
+            stride=window["stride"][k][0] if "stride" in window else 1,
+            low_padding=lo,
+            lhs_dilation=window["lhs_dilate"][k][0] if "lhs_dilate" in window else 1,
+            rhs_dilation=window["rhs_dilate"][k][0] if "rhs_dilate" in window else 1,
+        )
+    batch = out[out_labels.index("b")]
+    return 2.0 * batch * rhs[rhs_labels.index("o")] * rhs[rhs_labels.index("i")] * pairs
+
+
+def _window(rest: str) -> dict[str, list[list[int]]]:
+    """``window={size=2x12 stride=1x11 pad=1_1x11_11}`` -> ``{"stride": [[1], [11]],
+    "pad": [[1, 1], [11, 11]], ...}``, one entry per spatial dimension."""
+    match = re.search(r"window=\{([^}]*)\}", rest)
+    if not match:
+        return {}
+    fields = {}
+    for item in match.group(1).split():
+        key, _, value = item.partition("=")
+        fields[key] = [[int(n) for n in part.split("_")] for part in value.split("x")]
+    return fields
+
+
+def _valid_taps(
+    *,
+    size: int,
+    window: int,
+    outputs: int,
+    stride: int,
+    low_padding: int,
+    lhs_dilation: int,
+    rhs_dilation: int,
+) -> int:
+    """(output position, tap) pairs of one spatial dimension that read a real input."""
+    x = (
+        np.arange(outputs)[:, None] * stride
+        + np.arange(window)[None, :] * rhs_dilation
+        - low_padding
+    )
+    dilated = (size - 1) * lhs_dilation + 1
+    return int(np.count_nonzero((x >= 0) & (x < dilated) & (x % lhs_dilation == 0)))
 
 
 def _groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
@@ -305,7 +430,7 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
             for operand in _operands(instruction):
                 users.setdefault(operand, []).append(instruction)
         for instruction in instructions:
-            if instruction.opcode in ("dot", "convolution"):
+            if instruction.opcode in ("dot", "convolution") and _from_the_model(instruction):
                 cost = _dot_flops(instruction, shapes)
                 flops += cost * runs.get(name, 0)
                 flops_once += cost * runs_once.get(name, 0)

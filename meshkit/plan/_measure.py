@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -80,6 +81,11 @@ class Measurement:
       collectives: every collective, with its replica groups and run count.
       compile_seconds: time to lower and compile.
       compiler: whose figures these are (``"XLA:CPU"``, ``"XLA:TPU (v5e:16x16)"``).
+      error: why the compiler gave no program for this layout (``""`` when it did):
+        a refusal for memory (the TPU compiler will not compile what does not fit;
+        ``temp_bytes`` is then its own requirement, ``total_bytes`` at least that plus
+        the state and batch) or another failure. The figures only a program gives
+        (FLOPs, traffic, collectives) are NaN or empty.
     """
 
     layout: Layout
@@ -96,6 +102,7 @@ class Measurement:
     collectives: tuple[Collective, ...]
     compile_seconds: float
     compiler: str
+    error: str = ""
 
     def traffic_bytes(self, *, across_slices: bool | None = None) -> float:
         """Bytes one device sends per step in collectives (all, within, or across slices)."""
@@ -148,9 +155,87 @@ def measure(
             f"{shapes} ({type(error).__name__}: {error}). Check the workload's batch shapes "
             "against what its model and loss expect."
         ) from error
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as error:  # one layout's failure is its row, not the plan's end
+        seconds = time.perf_counter() - start
+        return _refused(error, state, batch, layout, seconds=seconds, target=target)
     seconds = time.perf_counter() - start
     return _read(compiled, state, batch, layout, slice_of_device, seconds=seconds, target=target)
+
+
+_MEMORY_REFUSAL = re.compile(
+    r"required for (?P<what>[\w ]+?) \((?P<need>[\d.]+)(?P<unit>[KMGT]?)\) exceeds "
+    r"available \w+ \((?P<have>[\d.]+)(?P<have_unit>[KMGT]?)\)"
+)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def memory_refusal(message: str) -> tuple[str, int, int] | None:
+    """``(what, bytes needed, bytes available)`` from a compiler's out-of-memory refusal
+    (XLA prints binary units: ``18.82G`` is GiB), or ``None`` for another message.
+
+    Examples:
+        >>> memory_refusal("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        ...     "required for HLO temporaries (18.82G) exceeds available HBM (15.75G).")
+        ('HLO temporaries', 20207821127, 16911433728)
+    """
+    match = _MEMORY_REFUSAL.search(message)
+    if match is None:
+        return None
+    need = float(match["need"]) * _UNITS[match["unit"]]
+    have = float(match["have"]) * _UNITS[match["have_unit"]]
+    return match["what"], int(need), int(have)
+
+
+def _refused(
+    error: Exception,
+    state: TrainState,
+    batch: dict[str, jax.ShapeDtypeStruct],
+    layout: Layout,
+    *,
+    seconds: float,
+    target: Target,
+) -> Measurement:
+    """The figures known without a program, and why there is none."""
+    compiler = _compiler_name(target)
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    refusal = memory_refusal(message)
+    params_bytes = shard_bytes(state.params)
+    optimizer_bytes = shard_bytes(state.opt_state)
+    batch_bytes = shard_bytes(batch)
+    if refusal is not None:
+        what, need, have = refusal
+        temp = need if "temporar" in what.lower() else 0
+        reason = (
+            f"{compiler} refused it for memory: {what} need {need / 2**30:.2f} GiB, "
+            f"{have / 2**30:.2f} GiB available ({(need - have) / 2**30:.2f} GiB over)"
+        )
+    else:
+        temp = 0
+        reason = f"{compiler} could not compile it: {type(error).__name__}: {message}"
+    nan = float("nan")
+    return Measurement(
+        layout=layout,
+        num_params=sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state.params)),
+        params_bytes=params_bytes,
+        optimizer_bytes=optimizer_bytes,
+        gradient_bytes=params_bytes,
+        batch_bytes=batch_bytes,
+        temp_bytes=temp,
+        total_bytes=params_bytes + optimizer_bytes + batch_bytes + temp,
+        flops=nan,
+        bytes_accessed=nan,
+        matmul_bytes=nan,
+        collectives=(),
+        compile_seconds=seconds,
+        compiler=compiler,
+        error=reason,
+    )
+
+
+def _compiler_name(target: Target) -> str:
+    return f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU"
 
 
 def _read(
@@ -190,5 +275,5 @@ def _read(
         matmul_bytes=counts.dot_bytes,
         collectives=counts.collectives,
         compile_seconds=seconds,
-        compiler=f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU",
+        compiler=_compiler_name(target),
     )

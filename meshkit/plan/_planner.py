@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -53,7 +54,10 @@ class LayoutReport:
 
     @property
     def bottleneck(self) -> str:
-        """The largest term of the step time (``compute``, ``memory``, ``ici``, ``dcn``)."""
+        """The largest term of the step time (``compute``, ``memory``, ``ici``, ``dcn``),
+        or ``"not compiled"`` when the compiler gave no program."""
+        if self.measurement.error:
+            return "not compiled"
         return max(self.terms, key=lambda term: self.terms[term])
 
     def collective_bytes(self, *, across_slices: bool | None = None) -> float:
@@ -66,7 +70,7 @@ class LayoutReport:
         by_kind: dict[str, float] = {}
         for c in m.collectives:
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload_bytes * c.count
-        return {
+        report = {
             "layout": m.layout.name,
             "axes": m.layout.axis_sizes,
             "remat": m.layout.remat,
@@ -94,7 +98,18 @@ class LayoutReport:
             "estimated_mfu": self.estimated_mfu,
             "compile_seconds": m.compile_seconds,
             "compiler": m.compiler,
+            "error": m.error or None,
         }
+        return {key: _json_number(value) for key, value in report.items()}
+
+
+def _json_number(value: Any) -> Any:
+    """NaN (a figure only a compiled program gives) as JSON's ``null``."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_number(item) for key, item in value.items()}
+    return value
 
 
 def memory_traffic(measurement: Measurement) -> float:
@@ -118,12 +133,16 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
         "dcn": dcn / chip.dcn_bytes_per_second,
     }
     step = max(terms["compute"], terms["memory"]) + terms["ici"] + terms["dcn"]
+    if measurement.error:  # no program: no step time (NaN stays NaN through max)
+        step = float("nan")
     capacity = int(chip.hbm_bytes * target.memory_fraction)
     mfu = model_flops / (step * chip.peak_flops * target.devices) if step > 0 else 0.0
+    if measurement.error:
+        mfu = float("nan")
     return LayoutReport(
         measurement=measurement,
         capacity_bytes=capacity,
-        fits=measurement.total_bytes <= capacity,
+        fits=not measurement.error and measurement.total_bytes <= capacity,
         terms=terms,
         estimated_step_seconds=step,
         estimated_mfu=mfu,
@@ -213,10 +232,14 @@ def _nothing_fits(plan: Plan) -> str:
     )
 
 
-def _rank_key(report: LayoutReport) -> tuple[bool, float]:
+def _rank_key(report: LayoutReport) -> tuple[bool, bool, float]:
+    """Fitting layouts by step time, then those that do not by their overshoot, then
+    those that failed to compile for another reason than memory."""
+    m = report.measurement
     if report.fits:
-        return (False, report.estimated_step_seconds)
-    return (True, report.measurement.total_bytes - report.capacity_bytes)
+        return (False, False, report.estimated_step_seconds)
+    unknown = bool(m.error) and "for memory" not in m.error
+    return (True, unknown, m.total_bytes - report.capacity_bytes)
 
 
 def plan(
@@ -261,7 +284,8 @@ def plan(
             on_report(estimate(measurements[-1], target, measurements[-1].flops * target.devices))
     model_flops = workload.model_flops
     if model_flops is None:
-        model_flops = min(m.flops for m in measurements) * target.devices
+        compiled = [m.flops for m in measurements if not m.error]
+        model_flops = min(compiled) * target.devices if compiled else float("nan")
     reports = [estimate(m, target, model_flops) for m in measurements]
     return Plan(target, tuple(sorted(reports, key=_rank_key)))
 

@@ -14,29 +14,45 @@ Plan = Any
 
 
 def plan_table(plan: Plan) -> str:
-    """One line per layout, fitting ones first and fastest first; bytes in GiB per device."""
+    """One line per layout, fitting ones first and fastest first; bytes in GiB per device.
+    A layout the compiler gave no program for shows dashes for the figures only a
+    program gives, and a line under the table saying why."""
     chip = plan.target.chip
     header = (
         f"{plan.target.devices} x {chip.description} ({plan.target.slices} slice(s)), "
         f"{plan.reports[0].capacity_bytes / GiB:.1f} GiB usable per chip; "
         f"figures from {plan.reports[0].measurement.compiler}"
     )
+    width = max(len("layout"), *(len(report.layout.name) for report in plan.reports))
     columns = (
-        f"{'#':>2}  {'layout':<40} {'fits':<4} {'params':>7} {'optim':>7} {'temp':>7} "
-        f"{'total':>7} {'comm GB':>8} {'TFLOP':>7} {'step s':>8} {'MFU':>5}  bound by"
+        f"{'#':>2}  {'layout':<{width}} {'fits':<4} {'param GiB':>9} {'optim GiB':>9} "
+        f"{'temp GiB':>9} {'total GiB':>9} {'comm GB':>8} {'TFLOP':>7} {'step s':>8} "
+        f"{'MFU':>5}  bound by"
     )
     lines = [header, columns, "-" * len(columns)]
+    notes = []
     for rank, report in enumerate(plan.reports, 1):
         m = report.measurement
+        compiled = not m.error
         lines.append(
-            f"{rank:>2}  {m.layout.name:<40} {'yes' if report.fits else 'NO':<4} "
-            f"{m.params_bytes / GiB:>7.2f} {m.optimizer_bytes / GiB:>7.2f} "
-            f"{m.temp_bytes / GiB:>7.2f} {m.total_bytes / GiB:>7.2f} "
-            f"{report.collective_bytes() / 1e9:>8.2f} {m.flops / 1e12:>7.1f} "
-            f"{report.estimated_step_seconds:>8.3f} {report.estimated_mfu:>5.0%}  "
+            f"{rank:>2}  {m.layout.name:<{width}} {'yes' if report.fits else 'NO':<4} "
+            f"{m.params_bytes / GiB:>9.2f} {m.optimizer_bytes / GiB:>9.2f} "
+            f"{m.temp_bytes / GiB:>9.2f} {m.total_bytes / GiB:>9.2f} "
+            f"{_figure(report.collective_bytes() / 1e9, '8.2f', compiled)} "
+            f"{_figure(m.flops / 1e12, '7.1f', compiled)} "
+            f"{_figure(report.estimated_step_seconds, '8.3f', compiled)} "
+            f"{_figure(report.estimated_mfu, '5.0%', compiled)}  "
             f"{report.bottleneck}"
         )
-    return "\n".join(lines)
+        if m.error:
+            notes.append(f"{rank:>2}  {m.layout.name}: {m.error}")
+    return "\n".join(lines + notes)
+
+
+def _figure(value: float, spec: str, known: bool) -> str:
+    """``value`` formatted to ``spec``'s width, or a dash where no program gave it."""
+    width = int(spec.split(".", maxsplit=1)[0])
+    return format(value, spec) if known else "-".rjust(width)
 
 
 def describe_choice(plan: Plan) -> str:

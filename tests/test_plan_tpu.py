@@ -1,0 +1,71 @@
+"""The planner through the TPU compiler itself (``nox -s plan_tpu``, which installs
+libtpu): layouts the compiler refuses for memory are rows of the plan, two planners run
+at once, and libtpu says nothing on a machine without TPUs. Skipped without libtpu."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshkit._libtpu import has_tpu_devices
+
+pytestmark = [
+    pytest.mark.tpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason='needs libtpu: nox -s plan_tpu (pip install "meshkit[tpu]")',
+    ),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+LIBTPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "Source Location")
+
+
+def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(has_tpu_devices(), reason="a TPU VM: the compiler would plan for its chips")
+def test_the_recipe_plans_the_v5e_pod_with_refused_layouts_as_rows(tmp_path):
+    done = run("-m", "recipes.plan", "--targets", "v5e-256", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not any(noise in done.stderr + done.stdout for noise in LIBTPU_NOISE), done.stderr
+    layouts = json.loads((tmp_path / "plan_v5e-256.json").read_text())["layouts"]
+    refused = [layout for layout in layouts if layout["error"]]
+    assert refused and all("refused it for memory" in layout["error"] for layout in refused)
+    assert all(not layout["fits"] and layout["flops_per_device"] is None for layout in refused)
+    assert layouts[0]["fits"] and layouts[0]["compiler"] == "XLA:TPU (v5e:16x16)"
+    # 6 N D + attention, about 9e9 FLOPs a token (x 4/3 recomputed), over 256 chips: the
+    # 24 scanned layers are counted as often as they run, not once
+    tokens = 256 * 2048
+    assert 0.9 * 9e9 * tokens / 256 < layouts[0]["flops_per_device"] < 1.5 * 9e9 * tokens / 256
+
+
+def test_two_planners_at_once_share_libtpu():
+    command = [
+        sys.executable, "-m", "meshkit.plan", "--model", "gpt-125m", "--length", "256",
+        "--batch-size", "8", "--accelerator", "v5e", "--devices", "4", "--compiler", "tpu",
+        "--topology", "v5e:2x2", "--tensor", "1", "--remat", "none", "--quiet",
+    ]  # fmt: skip
+    started = [
+        subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=600) for process in started]
+    for process, (out, err) in zip(started, outputs, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        assert "chosen:" in out and not any(noise in err for noise in LIBTPU_NOISE), err
