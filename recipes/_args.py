@@ -19,13 +19,15 @@ def workdir_path(value: str) -> epath.Path:
 
 
 def recipe_parser(
-    doc: str | None, *, workdir: str | None = None, progress: bool = False
+    doc: str | None, *, workdir: str | None = None, progress: bool = False, resumes: bool = False
 ) -> argparse.ArgumentParser:
     """A parser described by the first line of ``doc``, with the shared options.
 
     Every recipe gets ``--cpu-devices`` (fake CPU devices per process, from
     ``JAX_NUM_CPU_DEVICES`` or 8); with ``workdir``, ``--workdir`` defaulting to it;
-    with ``progress``, ``--no-progress`` to turn the progress bar off.
+    with ``resumes`` (a training recipe, which resumes the run in its workdir),
+    ``--fresh`` (see ``start_run``); with ``progress``, ``--no-progress`` to turn the
+    progress bar off.
     """
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     if workdir is not None:
@@ -34,6 +36,13 @@ def recipe_parser(
             type=workdir_path,
             default=workdir_path(workdir),
             help="a local folder or an object-store URI such as gs://bucket/run",
+        )
+    if workdir is not None and resumes:
+        parser.add_argument(
+            "--fresh",
+            action="store_true",
+            help="start over: delete the checkpoints, records and config of the run in "
+            "--workdir first (without it, a rerun resumes that run)",
         )
     parser.add_argument(
         "--cpu-devices",
@@ -115,13 +124,63 @@ def add_input_options(
 
 @contextlib.contextmanager
 def input_errors_in_one_line() -> Iterator[None]:
-    """A ``ValueError`` while the training input is built (a dataset too large to be
-    resident, a batch larger than the dataset) ends the recipe with its message alone:
-    each names the setting and the fix; a traceback would only bury it."""
+    """A ``ValueError`` while the training input or the run is set up (a dataset too
+    large to be resident, a batch larger than the dataset, a workdir holding a run with
+    other settings) ends the recipe with its message alone: each names the setting and
+    the fix; a traceback would only bury it."""
     try:
         yield
     except ValueError as error:
         raise SystemExit(str(error)) from None
+
+
+RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "summary.json")
+"""What ``--fresh`` deletes from the workdir: the run meshkit wrote there."""
+
+
+def clear_run(workdir: epath.Path, names: tuple[str, ...] = RUN_FILES) -> None:
+    """``--fresh``: deletes ``names`` from ``workdir`` (on process 0; every process waits)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        for name in names:
+            path = workdir / name
+            if path.is_dir():
+                path.rmtree()
+            elif path.exists():
+                path.unlink()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("meshkit --fresh")
+
+
+def start_run(args: argparse.Namespace, mesh: Any, arguments: Any = None) -> None:
+    """The start of a training recipe, before anything is built or compiled.
+
+    ``--fresh`` first deletes ``RUN_FILES`` from the workdir. Then ``config.json``
+    records the run's arguments (``arguments``, by default ``args``): a run already in
+    the workdir with other settings stops the recipe in one line naming each
+    difference (``write_run_config``), and one that already reached ``--steps`` ends
+    it in one line saying so, instead of loading it to train no step.
+    """
+    import jax
+
+    from meshkit import train
+
+    if args.fresh:
+        clear_run(args.workdir)
+    with input_errors_in_one_line():
+        train.write_run_config(args.workdir, args if arguments is None else arguments, mesh)
+    done = train.Checkpoints().checkpointer(args.workdir).latest_step()
+    if done is not None and done >= args.steps:
+        if jax.process_index() == 0:
+            print(
+                f"{args.workdir} already holds this run, done at step {done} (its summary: "
+                f"{args.workdir / 'summary.json'}); pass a larger --steps to train on, or "
+                "--fresh to start over.",
+                flush=True,
+            )
+        raise SystemExit(0)
 
 
 def _steps_per_dispatch(text: str) -> int | str:

@@ -56,6 +56,7 @@ from recipes._args import (
     positive_int,
     recipe_parser,
     run_summary,
+    start_run,
     write_summary,
 )
 
@@ -65,7 +66,7 @@ IMAGE_SHAPES = {"mnist_cnn": (28, 28, 1), "cifar_net": (32, 32, 3), "norm_cnn": 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/data_parallel", progress=True)
+    parser = recipe_parser(__doc__, workdir="workdir/data_parallel", progress=True, resumes=True)
     parser.add_argument("--model", default="mnist_cnn", help="mnist_cnn | cifar_net | norm_cnn")
     parser.add_argument("--dataset", default="digits", choices=sorted(DATASETS))
     parser.add_argument("--data-dir", type=Path, help="folder with MNIST IDX or CIFAR-10 files")
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     train_source, test_source = load_data(args, image_shape)
 
     mesh = meshkit.make_mesh(args.mesh)
+    start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     batch_sharding = meshkit.batch_sharding(mesh)
     rules = meshkit.PartitionRules.fsdp("data") if args.rules == "fsdp" else None
 
@@ -169,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         microbatches=args.microbatches,
         reduction=args.reduction,
     )
-    train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 

@@ -51,12 +51,13 @@ from recipes._args import (
     positive_int,
     recipe_parser,
     run_summary,
+    start_run,
     write_summary,
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/ensemble", progress=True)
+    parser = recipe_parser(__doc__, workdir="workdir/ensemble", progress=True, resumes=True)
     parser.add_argument("--members", type=int, default=8, help="ensemble size K")
     parser.add_argument(
         "--mesh",
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = ensemble.EnsembleLayout(mesh, args.members)
     except ValueError as error:  # says what was received and how to fix it
         raise SystemExit(f"--members {args.members} --mesh {args.mesh}: {error}") from None
+    start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     pipeline_args = {
         "global_batch_size": args.batch_size,
         "sharding": layout.batch_sharding,
@@ -153,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         member_batches=not args.same_batches,
         microbatches=args.microbatches,
     )
-    train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
         print(layout, flush=True)
 

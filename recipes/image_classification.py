@@ -65,6 +65,7 @@ from recipes._args import (
     positive_int,
     recipe_parser,
     run_summary,
+    start_run,
     write_summary,
 )
 
@@ -72,7 +73,9 @@ MODELS = ("resnet18", "resnet50", "vit_tiny", "vit_small")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/image_classification", progress=True)
+    parser = recipe_parser(
+        __doc__, workdir="workdir/image_classification", progress=True, resumes=True
+    )
     parser.add_argument("--model", default="resnet18", choices=MODELS)
     parser.add_argument("--data-dir", type=Path, help="folder with train and test image records")
     parser.add_argument("--image-size", type=int, default=32, help="training and test image side")
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     flip = args.flip if args.flip is not None else args.data_dir is not None
 
     mesh = meshkit.make_mesh(args.mesh)
+    start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     batch_sharding = meshkit.batch_sharding(mesh)
     mean, std = image.IMAGENET_MEAN, image.IMAGENET_STD
     augmentation = {"scale": (args.min_crop, 1.0), "flip": 0.5 if flip else 0.0}
@@ -237,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         batch_sharding,
         microbatches=args.microbatches,
     )
-    train.write_run_config(args.workdir, args, mesh)
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 

@@ -42,7 +42,9 @@ import sys
 
 import meshkit
 from recipes._args import (
+    RUN_FILES,
     add_input_options,
+    clear_run,
     input_errors_in_one_line,
     positive_int,
     recipe_parser,
@@ -51,7 +53,7 @@ from recipes._args import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/sweep", progress=True)
+    parser = recipe_parser(__doc__, workdir="workdir/sweep", progress=True, resumes=True)
     parser.add_argument("--mesh", default="ensemble=8,data=1", help="mesh axes")
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument(
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     space = sweep.Space(
         learning_rate=sweep.log_grid(1e-3, 1e-1, 4), weight_decay=sweep.log_grid(1e-5, 1e-2, 4)
     )
+    if args.fresh:  # the sweep's own files too: its record, results and best member
+        clear_run(args.workdir, (*RUN_FILES, "sweep.json", "results.json", "best", "sweep.png"))
     index, count = args.slice
     points = space.grid()[index::count]
     if not points:

@@ -44,6 +44,7 @@ from recipes._args import (
     positive_int,
     recipe_parser,
     run_summary,
+    start_run,
     write_summary,
 )
 
@@ -68,7 +69,7 @@ TARGET_BPC = 2.3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/transformer_lm", progress=True)
+    parser = recipe_parser(__doc__, workdir="workdir/transformer_lm", progress=True, resumes=True)
     parser.add_argument("--mesh", default="data=4,model=2", help="mesh axes: data and model")
     parser.add_argument(
         "--layout",
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_sharding,
         microbatches=args.microbatches,
     )
-    train.write_run_config(args.workdir, args, mesh)
+    start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     if jax.process_index() == 0:
         print(rules)
         print(meshkit.describe(state.params, names=state.logical_axes().params), flush=True)

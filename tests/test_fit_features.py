@@ -254,3 +254,16 @@ def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatc
         message = str(info.value)
         assert message.startswith("The workdir gs://bucket/run is on Google Cloud Storage")
         assert 'pip install "meshkit[gcs]"' in message and "TensorStore" in message
+
+
+@pytest.mark.once
+def test_a_run_config_that_differs_from_the_checkpointed_run_is_refused_by_name(tmp_path):
+    mesh = meshkit.make_mesh("data=-1")
+    train.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 10}, mesh)
+    train.write_run_config(tmp_path, {"learning_rate": 0.5, "steps": 10}, mesh)  # no checkpoint
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    train.write_run_config(tmp_path, {"learning_rate": 0.5, "steps": 40, "mesh": "x"}, mesh)
+    with pytest.raises(ValueError, match=r"learning_rate 0\.5 \(now 0\.1\), seed unset \(now 3\)"):
+        train.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 40, "seed": 3}, mesh)
+    recorded = json.loads((tmp_path / "config.json").read_text())["arguments"]
+    assert recorded == {"learning_rate": 0.5, "steps": 40, "mesh": "x"}  # the refused one left it

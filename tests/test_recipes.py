@@ -49,6 +49,28 @@ def test_data_parallel_learns_the_digits(tmp_path):
     assert summary["train_step_compiles"] <= 3  # one per chunk size: 1, auto's probe, its pick
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
+    # Rerun as a user would: other settings stop in one line; the same end in one line.
+    common = ("recipes.data_parallel", "--no-progress", "--workdir", str(tmp_path))
+    changed = subprocess.run(
+        [sys.executable, "-m", *common, "--steps", "60", "--learning-rate", "0.01"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert changed.returncode == 1 and changed.stderr.count("\n") == 1, changed.stderr[-2000:]
+    assert "learning_rate 0.05 (now 0.01)" in changed.stderr and "--fresh" in changed.stderr
+    again = run_recipe(*common, "--steps", "60", "--input", "host")  # input may change
+    assert again.strip().splitlines() == [
+        f"{tmp_path} already holds this run, done at step 60 (its summary: "
+        f"{tmp_path / 'summary.json'}); pass a larger --steps to train on, or --fresh to "
+        "start over."
+    ]
+    fresh = run_recipe(*common, "--steps", "2", "--learning-rate", "0.01", "--fresh")
+    restarted = json.loads(fresh.strip().splitlines()[-1])
+    assert restarted["steps"] == 2 and restarted["resumed_from"] is None
+    assert restarted["hyperparameters"]["learning_rate"] == 0.01
+
 
 @pytest.mark.once  # the recipe picks its own devices
 def test_data_parallel_bf16_micro_batches_and_tensorboard_learn(tmp_path):
