@@ -154,14 +154,16 @@ def clear_run(workdir: epath.Path, names: tuple[str, ...] = RUN_FILES) -> None:
         multihost_utils.sync_global_devices("meshkit --fresh")
 
 
-def start_run(args: argparse.Namespace, mesh: Any, arguments: Any = None) -> None:
+def start_run(
+    args: argparse.Namespace, mesh: Any, *, resuming: bool | None = None, finished: bool = True
+) -> None:
     """The start of a training recipe, before anything is built or compiled.
 
     ``--fresh`` first deletes ``RUN_FILES`` from the workdir. Then ``config.json``
-    records the run's arguments (``arguments``, by default ``args``): a run already in
-    the workdir with other settings stops the recipe in one line naming each
-    difference (``write_run_config``), and one that already reached ``--steps`` ends
-    it in one line saying so, instead of loading it to train no step.
+    records the run's arguments: a run already in the workdir (``resuming``: see
+    ``write_run_config``) with other settings stops the recipe in one line naming
+    each difference, and (``finished``) one whose checkpoints already reached
+    ``--steps`` ends it in one line saying so, instead of loading it to train no step.
     """
     import jax
 
@@ -170,8 +172,8 @@ def start_run(args: argparse.Namespace, mesh: Any, arguments: Any = None) -> Non
     if args.fresh:
         clear_run(args.workdir)
     with input_errors_in_one_line():
-        train.write_run_config(args.workdir, args if arguments is None else arguments, mesh)
-    done = train.Checkpoints().checkpointer(args.workdir).latest_step()
+        train.write_run_config(args.workdir, args, mesh, resuming=resuming)
+    done = train.Checkpoints().checkpointer(args.workdir).latest_step() if finished else None
     if done is not None and done >= args.steps:
         if jax.process_index() == 0:
             print(

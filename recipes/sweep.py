@@ -31,8 +31,10 @@ Other runs::
     python -m recipes.sweep --slice 0/2 --workdir workdir/sweep_0  # half the points
     python -m meshkit.sweep merge workdir/sweep_0 workdir/sweep_1  # ranked as one table
 
-Rerunning with the same ``--workdir`` resumes: a sweep killed at any point ends with
-the same table as one never interrupted.
+Each mode has its own default workdir (``workdir/sweep``, ``workdir/sweep_pbt``,
+``workdir/sweep_halving``). Rerunning with the same ``--workdir`` resumes: a sweep
+killed at any point ends with the same table as one never interrupted; a rerun with
+other settings stops in one line naming them (``--fresh`` starts over).
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ from recipes._args import (
     input_errors_in_one_line,
     positive_int,
     recipe_parser,
+    start_run,
+    workdir_path,
     write_summary,
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = recipe_parser(__doc__, workdir="workdir/sweep", progress=True, resumes=True)
+    parser.set_defaults(workdir=None)  # by mode: workdir/sweep, workdir/sweep_pbt, ...
     parser.add_argument("--mesh", default="ensemble=8,data=1", help="mesh axes")
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument(
@@ -85,7 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # One step per dispatch: one compiled program for the whole sweep (auto adds its
     # probe's and its choice's sizes).
     add_input_options(parser, steps_per_dispatch=1)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.workdir is None:  # each mode its own run, so the documented commands follow on
+        mode = "_pbt" if args.pbt else "_halving" if args.halving else ""
+        args.workdir = workdir_path(f"workdir/sweep{mode}")
+    return args
 
 
 def slice_of(text: str) -> tuple[int, int]:
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = ensemble.EnsembleLayout(meshkit.make_mesh(args.mesh), len(points))
     except ValueError as error:  # says what was received and how to fix it
         raise SystemExit(f"--mesh {args.mesh}: {error}") from None
+    # A sweep's record is sweep.json: a rerun with other settings stops here, in one line.
+    start_run(args, layout.mesh, resuming=(args.workdir / "sweep.json").exists(), finished=False)
     train_source, test_source = data.digits("train"), data.digits("test")
     schedule = None
     if args.pbt:
@@ -167,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         result.plot(args.workdir / "sweep.png")
         print(result.table(), flush=True)
-    train.write_run_config(args.workdir, {**vars(args), "best": best.point}, layout.mesh)
     write_summary(
         args.workdir,
         {

@@ -22,6 +22,7 @@ Other runs::
     python -m meshkit.launch -n 2 -d 4 -- python -m recipes.transformer_lm   # as 2 hosts
     python -m recipes.transformer_lm --plan        # plan the layout on these devices first
     python -m recipes.transformer_lm --layout workdir/plan/plan.json   # a plan's choice
+    python -m recipes.transformer_lm --layout workdir/plan/plan_h100x64.json --scale-to-devices
 
 One table, ``LOGICAL_RULES``, maps the model's logical axis names to mesh axes; every
 parameter, optimizer moment and activation follows it. Rerunning with the same
@@ -75,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layout",
         help="PLAN.json or PLAN.json:NAME, a plan from python -m meshkit.plan: its (chosen "
         "or named) layout sets the mesh, the rules, remat and micro-batches",
+    )
+    parser.add_argument(
+        "--scale-to-devices",
+        action="store_true",
+        help="train a --layout planned for another device count with its data axes resized "
+        "to these devices (the model axes and rules kept)",
     )
     parser.add_argument(
         "--plan",
@@ -193,7 +200,11 @@ def choose_layout(args: argparse.Namespace, module: Any, tx: Any) -> Any:
 
     if args.layout:
         path, _, name = args.layout.partition(":")
-        return plan.load_layout(path, name or None)
+        try:
+            layout = plan.load_layout(path, name or None)
+        except (OSError, ValueError) as error:  # a missing file, a name not in it
+            raise SystemExit(f"--layout {args.layout}: {error}") from None
+        return on_these_devices(layout, jax.device_count(), args)
     if not args.plan:
         return None
     workload = plan.Workload(
@@ -213,6 +224,27 @@ def choose_layout(args: argparse.Namespace, module: Any, tx: Any) -> Any:
         print(result.table())
         print(result.describe_choice(), flush=True)
     return result.best.layout
+
+
+def on_these_devices(layout: Any, devices: int, args: argparse.Namespace) -> Any:
+    """``layout`` if it spans ``devices``; with ``--scale-to-devices`` the same layout
+    resized to them; else the recipe ends in one line saying which axes to change."""
+    if layout.num_devices == devices:
+        return layout
+    scaled = layout.scaled_to(devices)
+    if scaled is not None and args.scale_to_devices:
+        print(f"--layout {layout.name} scaled to {devices} devices: {scaled.name}", flush=True)
+        return scaled
+    offer = (
+        f"add --scale-to-devices to train it as {scaled.name}"
+        if scaled is not None
+        else "its model axes do not divide them"
+    )
+    raise SystemExit(
+        f"--layout {args.layout}: the plan's layout {layout.name} spans {layout.num_devices} "
+        f"devices, this run has {devices}: {offer}, plan for these devices with --plan, or "
+        f"run on {layout.num_devices} devices."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

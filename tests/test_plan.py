@@ -408,3 +408,104 @@ def test_convolution_flops_count_only_taps_on_real_inputs(name: str, conv: dict)
     compiled = jax.jit(f).lower(x, w).compile()
     counted = _hlo.program_counts(compiled.as_text() or "", [0]).dot_flops
     assert counted == pytest.approx((compiled.cost_analysis() or {})["flops"], rel=0.02), name
+
+
+@pytest.mark.once(8)
+def test_a_plan_for_other_devices_says_which_axes_to_change_or_scales(capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from recipes.transformer_lm import on_these_devices
+
+    layout = planning.Layout("data=64,fsdp=1,model=1", data_axes=("data", "fsdp"))
+    args = argparse.Namespace(layout="plan_h100x64.json", scale_to_devices=False)
+    with pytest.raises(SystemExit, match=r"spans 64 devices, this run has 8: add "
+                       r"--scale-to-devices to train it as data=8,fsdp=1,model=1"):  # fmt: skip
+        on_these_devices(layout, 8, args)
+    args.scale_to_devices = True
+    assert on_these_devices(layout, 8, args).axis_sizes == {"data": 8, "fsdp": 1, "model": 1}
+    assert "scaled to 8 devices: data=8,fsdp=1,model=1" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="its model axes do not divide them"):
+        on_these_devices(planning.Layout("data=2,model=16"), 8, args)
+    fsdp = planning.Layout("data=2,fsdp=16,model=2", data_axes=("data", "fsdp"))
+    assert fsdp.scaled_to(8) is not None and fsdp.scaled_to(8).axis_sizes == {  # type: ignore[union-attr]
+        "data": 1,
+        "fsdp": 4,
+        "model": 2,
+    }
+
+
+WORKLOADS = """
+import jax, jax.numpy as jnp, optax
+import flax.linen as nn
+from meshkit import plan
+from meshkit.train import classification_loss, linen_model
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(10)(x)
+
+def fixed():
+    return plan.Workload(
+        model=linen_model(Mlp(), jnp.zeros((1, 16))), tx=optax.sgd(0.1),
+        loss_fn=classification_loss,
+        batch={"image": jax.ShapeDtypeStruct((64, 16), jnp.float32),
+               "label": jax.ShapeDtypeStruct((64,), jnp.int32)},
+    )
+
+def untraceable():
+    workload = fixed()
+    return plan.Workload(model=workload.model, tx=workload.tx, loss_fn=workload.loss_fn,
+                         batch={"tokens": jax.ShapeDtypeStruct((64, 9), jnp.int32)})
+
+def number():
+    return 3
+"""
+
+
+@pytest.mark.once(8)
+@pytest.mark.parametrize(
+    ("function", "extra", "message"),
+    [
+        ("fixed", [], "returns a fixed model, which cannot take the remat policies "
+         "['nothing_saveable'] that --remat asks for: pass --remat none"),
+        ("number", [], "returned a int; expected a meshkit.plan.Workload(model=..."),
+        ("untraceable", ["--remat", "none"], "could not be traced with the batch"),
+        ("missing", [], "AttributeError"),
+    ],
+)  # fmt: skip
+def test_a_workload_mistake_on_the_command_line_ends_in_one_line(
+    tmp_path, monkeypatch, function: str, extra: list[str], message: str
+) -> None:  # type: ignore[no-untyped-def]
+    from meshkit.plan import _cli
+
+    (tmp_path / "my_workloads.py").write_text(WORKLOADS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = _cli.parser().parse_args(
+        ["--workload", f"my_workloads:{function}", "--devices", "8", "--tensor", "1",
+         "--fsdp", "1", "--quiet", *extra]
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        _cli.run(args)
+    text = str(stop.value.code)
+    assert message in text and "\n" not in text, text
+
+
+@pytest.mark.once(8)
+def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_explained() -> None:
+    from meshkit.plan import _cli
+
+    args = _cli.parser().parse_args(["--devices", "8", "--tensor", "3", "--quiet"])
+    with pytest.raises(SystemExit, match=r"from --tensor 3: every --tensor and --fsdp size must"):
+        _cli.run(args)
+    layouts = [
+        planning.Layout({"data": 8}, precision="f32"),
+        planning.Layout({"data": 1, "model": 8}, precision="f32"),
+    ]
+    result = planning.plan(_mlp_workload(batch_size=7), layouts, TARGET, progress=False)
+    assert result.best.layout.name == "data=1,model=8"
+    refused = result.reports[1]
+    assert not refused.fits and refused.measurement.error == (
+        "the global batch (image: 7 rows, label: 7 rows) does not split over its 8 data "
+        "shards (data); use a batch that is a multiple of 8"
+    )

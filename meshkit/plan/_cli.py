@@ -76,10 +76,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _workload(args: argparse.Namespace) -> Any:
     if args.workload:
-        module, _, function = args.workload.partition(":")
-        if not function:
-            raise SystemExit(f"--workload wants module:function, got {args.workload!r}.")
-        return getattr(importlib.import_module(module), function)()
+        return _user_workload(args.workload, args.remat)
     from meshkit.plan._workloads import transformer_workload
 
     return transformer_workload(
@@ -87,6 +84,46 @@ def _workload(args: argparse.Namespace) -> Any:
         vocab_size=args.vocab,
         length=args.length,
         batch_size=args.batch_size,
+    )
+
+
+def _user_workload(spec: str, remat: Sequence[str]) -> Any:
+    """``--workload module:function``'s ``Workload``; a mistake ends in one line."""
+    from meshkit.plan._measure import Workload
+    from meshkit.train._state import Model
+
+    module, _, function = spec.partition(":")
+    if not function:
+        raise SystemExit(f"--workload wants module:function, got {spec!r}.")
+    try:
+        workload = getattr(importlib.import_module(module), function)()
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(f"--workload {spec}: {type(error).__name__}: {error}") from None
+    if not isinstance(workload, Workload):
+        raise SystemExit(
+            f"--workload {spec} returned a {type(workload).__name__}; expected a "
+            "meshkit.plan.Workload(model=..., tx=..., loss_fn=..., batch=...)."
+        )
+    fixed = isinstance(workload.model, Model)
+    asked = sorted(set(remat) - {"none"})
+    if fixed and asked:
+        raise SystemExit(
+            f"--workload {spec} returns a fixed model, which cannot take the remat policies "
+            f"{asked} that --remat asks for: pass --remat none, or return "
+            "model=lambda remat: linen_model(MyModule(remat=remat), x) to let layouts choose."
+        )
+    return workload
+
+
+def _no_layouts(args: argparse.Namespace) -> str:
+    """Why ``candidate_layouts`` found none: the sizes that do not divide the devices."""
+    per_slice = args.devices // args.slices
+    bad = [f"--tensor {t}" for t in args.tensor if per_slice % t]
+    bad += [f"--fsdp {f}" for f in args.fsdp or () if per_slice % f]
+    return (
+        f"No layout of {args.devices} devices ({per_slice} per slice) from "
+        f"{', '.join(bad) or 'these sizes'}: every --tensor and --fsdp size must divide "
+        f"{per_slice} and their product too (e.g. --tensor 1,2 --fsdp 1,{per_slice // 2 or 1})."
     )
 
 
@@ -106,7 +143,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slices=args.slices,
         logical=args.workload is None,
     )
-    result = plan(_workload(args), layouts, target, progress=not args.quiet)
+    workload = _workload(args)
+    if not layouts:
+        raise SystemExit(_no_layouts(args))
+    try:
+        result = plan(workload, layouts, target, progress=not args.quiet)
+    except ValueError as error:  # a workload whose step cannot be traced: the cause, one line
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise SystemExit(f"{args.workload or args.model}: {first}") from None
     print(result.table())
     print(result.describe_choice())
     if args.json:

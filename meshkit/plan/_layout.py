@@ -120,6 +120,29 @@ class Layout:
 
         return make_mesh(self.axis_sizes, dcn_axes=self.dcn_axes, devices=devices)
 
+    def scaled_to(self, devices: int) -> Layout | None:
+        """The same layout on ``devices`` devices: the model (tensor) axes kept, the data
+        axes resized (the FSDP axis keeps what it can divide), or ``None`` where the model
+        axes do not divide ``devices``. The rules, remat, micro-batches and precision
+        stay; slices are not kept.
+
+        Examples:
+            >>> Layout("data=8,fsdp=8,model=1", data_axes=("data", "fsdp")).scaled_to(8).name
+            'data=1,fsdp=8,model=1'
+            >>> Layout("data=8,model=8").scaled_to(4) is None
+            True
+        """
+        sizes = self.axis_sizes
+        model = math.prod(size for axis, size in sizes.items() if axis not in self.data_axes)
+        if devices % model:
+            return None
+        left = devices // model
+        scaled = dict(sizes)
+        for axis in reversed(self.data_axes):  # the innermost data axis (fsdp) first
+            scaled[axis] = math.gcd(sizes[axis], left) if axis != self.data_axes[0] else left
+            left //= scaled[axis]
+        return dataclasses.replace(self, axes=scaled, dcn_axes=None, name="")
+
     @property
     def axis_sizes(self) -> dict[str, int]:
         """The mesh axis sizes, in mesh order."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -141,6 +142,16 @@ def measure(
         model, workload.tx, precision=layout.precision, mesh=mesh, rules=layout.rules
     )
     data = batch_sharding(mesh, layout.data_axes)
+    shards = math.prod(mesh.shape[axis] for axis in layout.data_axes)
+    rows = {key: np.shape(value)[0] for key, value in workload.batch.items() if np.ndim(value)}
+    uneven = {key: n for key, n in rows.items() if n % shards}
+    if uneven:  # this layout cannot take the batch; others may
+        reason = (
+            f"the global batch ({', '.join(f'{k}: {n} rows' for k, n in uneven.items())}) does "
+            f"not split over its {shards} data shards ({' x '.join(layout.data_axes)}); use a "
+            f"batch that is a multiple of {shards}"
+        )
+        return _refused(reason, state, _batch_specs(workload.batch, None), layout, target=target)
     batch = _batch_specs(workload.batch, data)
     step = make_train_step(
         workload.loss_fn, state_shardings_of(state), data, microbatches=layout.microbatches
@@ -159,7 +170,8 @@ def measure(
         compiled = lowered.compile()
     except Exception as error:  # one layout's failure is its row, not the plan's end
         seconds = time.perf_counter() - start
-        return _refused(error, state, batch, layout, seconds=seconds, target=target)
+        reason, temp = _compile_failure(error, target)
+        return _refused(reason, state, batch, layout, target=target, temp=temp, seconds=seconds)
     seconds = time.perf_counter() - start
     return _read(compiled, state, batch, layout, slice_of_device, seconds=seconds, target=target)
 
@@ -188,32 +200,38 @@ def memory_refusal(message: str) -> tuple[str, int, int] | None:
     return match["what"], int(need), int(have)
 
 
+def _compile_failure(error: Exception, target: Target) -> tuple[str, int]:
+    """One line on why the compiler gave no program (its memory refusal, or its error),
+    and the temporaries a memory refusal names (else 0)."""
+    compiler = _compiler_name(target)
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    refusal = memory_refusal(message)
+    if refusal is None:
+        return f"{compiler} could not compile it: {type(error).__name__}: {message}", 0
+    what, need, have = refusal
+    reason = (
+        f"{compiler} refused it for memory: {what} need {need / 2**30:.2f} GiB, "
+        f"{have / 2**30:.2f} GiB available ({(need - have) / 2**30:.2f} GiB over)"
+    )
+    return reason, need if "temporar" in what.lower() else 0
+
+
 def _refused(
-    error: Exception,
+    reason: str,
     state: TrainState,
     batch: dict[str, jax.ShapeDtypeStruct],
     layout: Layout,
     *,
-    seconds: float,
     target: Target,
+    temp: int = 0,
+    seconds: float = 0.0,
 ) -> Measurement:
-    """The figures known without a program, and why there is none."""
-    compiler = _compiler_name(target)
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    refusal = memory_refusal(message)
+    """The figures known without a program (``temp``: a memory refusal's temporaries),
+    and ``reason`` there is none."""
     params_bytes = shard_bytes(state.params)
     optimizer_bytes = shard_bytes(state.opt_state)
-    batch_bytes = shard_bytes(batch)
-    if refusal is not None:
-        what, need, have = refusal
-        temp = need if "temporar" in what.lower() else 0
-        reason = (
-            f"{compiler} refused it for memory: {what} need {need / 2**30:.2f} GiB, "
-            f"{have / 2**30:.2f} GiB available ({(need - have) / 2**30:.2f} GiB over)"
-        )
-    else:
-        temp = 0
-        reason = f"{compiler} could not compile it: {type(error).__name__}: {message}"
+    batch_bytes = shard_bytes(batch) if all(leaf.sharding for leaf in batch.values()) else 0
     nan = float("nan")
     return Measurement(
         layout=layout,
@@ -229,7 +247,7 @@ def _refused(
         matmul_bytes=nan,
         collectives=(),
         compile_seconds=seconds,
-        compiler=compiler,
+        compiler=_compiler_name(target),
         error=reason,
     )
 

@@ -88,6 +88,7 @@ def write_run_config(
     mesh: Mesh,
     *,
     may_change: Collection[str] = RESUMABLE_ARGUMENTS,
+    resuming: bool | None = None,
 ) -> epath.Path:
     """Writes what a run was started with as ``<workdir>/config.json`` (on process 0),
     after checking that a run it resumes was started with the same settings.
@@ -97,8 +98,10 @@ def write_run_config(
     count, the process count, and the versions of Python and of meshkit, jax, jaxlib,
     flax, optax, orbax-checkpoint, grain and numpy. Returns the file's path.
 
-    When ``workdir`` already holds a checkpoint and a ``config.json``, ``fit`` would
-    resume that run: its recorded arguments are compared with these, and any
+    When ``workdir`` already holds a checkpoint (``resuming=None``: one in
+    ``<workdir>/checkpoints``; ``True``: a run of another kind, such as a sweep, says
+    so itself) and a ``config.json``, the run would resume: its recorded arguments
+    are compared with these, and any
     difference outside ``may_change`` (``RESUMABLE_ARGUMENTS``: the step count, the
     records, the mesh and input path) stops the start with a ``ValueError`` naming
     each one, before anything trains. A resumed run then writes the file again.
@@ -118,7 +121,9 @@ def write_run_config(
     check_store_packages(workdir)  # the first write of a recipe: say so before it fails
     config = run_config(arguments, mesh)
     path = as_path(workdir) / "config.json"
-    if path.exists() and latest_checkpoint_step(workdir) is not None:
+    if resuming is None:
+        resuming = latest_checkpoint_step(workdir) is not None
+    if resuming and path.exists():
         recorded = json.loads(path.read_text()).get("arguments", {})
         _check_same_run(workdir, recorded, config["arguments"], may_change)
     if jax.process_index() == 0:
