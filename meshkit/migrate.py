@@ -193,7 +193,7 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def scan_source(source: str, path: str = "<source>") -> list[Finding]:
+def scan_source(source: str | bytes, path: str = "<source>") -> list[Finding]:
     """Every pmap-era idiom in Python ``source``, in line order."""
     tree = ast.parse(source, filename=path)
     finder = _Finder(path, _imports(tree))
@@ -211,17 +211,37 @@ def _python_files(paths: Sequence[str]) -> Iterator[Path]:
             yield path
 
 
-def scan_paths(paths: Sequence[str]) -> list[Finding]:
-    """Every pmap-era idiom in the Python files at ``paths`` (files or folders)."""
+def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> list[Finding]:
+    """Every pmap-era idiom in the Python files at ``paths`` (files or folders).
+
+    A file that is not Python this checker can read (a binary, a text in an encoding
+    its coding line does not declare, a syntax error) is skipped with one line in
+    ``unreadable`` (raised as ``SyntaxError`` when it is ``None``); the others are
+    still checked. Source bytes are decoded as Python does (PEP 263 coding lines).
+
+    Raises:
+      FileNotFoundError: a path does not exist.
+    """
     findings: list[Finding] = []
     for path in _python_files(paths):
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such file or folder to check.")
         try:
-            findings += scan_source(path.read_text(encoding="utf-8"), str(path))
-        except SyntaxError as error:
-            raise SyntaxError(f"{path} is not valid Python: {error}") from None
+            findings += scan_source(path.read_bytes(), str(path))
+        except (SyntaxError, ValueError) as error:  # ValueError: null bytes in older Pythons
+            reason = f"{path}: not checked, {_unreadable(error)}"
+            if unreadable is None:
+                raise SyntaxError(reason) from None
+            unreadable.append(reason)
     return findings
+
+
+def _unreadable(error: Exception) -> str:
+    """Why a file could not be read as Python, in a few words."""
+    message = getattr(error, "msg", None) or str(error)
+    line = getattr(error, "lineno", None)
+    where = f" at line {line}" if line else ""
+    return f"not valid Python{where}: {message}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,16 +252,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("paths", nargs="+", help="Python files or folders")
     args = parser.parse_args(argv)
+    unreadable: list[str] = []
     try:
-        findings = scan_paths(args.paths)
-    except (FileNotFoundError, SyntaxError) as error:
+        findings = scan_paths(args.paths, unreadable=unreadable)
+    except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for finding in findings:
         print(finding)
+    for reason in unreadable:
+        print(reason, file=sys.stderr)
     files = len({f.path for f in findings})
-    print(f"{len(findings)} pmap-era idiom(s) in {files} file(s)." if findings else "none found")
-    return 1 if findings else 0
+    summary = f"{len(findings)} pmap-era idiom(s) in {files} file(s)" if findings else "none found"
+    skipped = f"; {len(unreadable)} file(s) not checked (above)" if unreadable else ""
+    print(summary + skipped + ("." if findings else ""))
+    return 1 if findings else 2 if unreadable else 0
 
 
 if __name__ == "__main__":

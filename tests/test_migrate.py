@@ -190,3 +190,24 @@ def step(x):
         "jax.lax.all_to_all": {at("all_to_all")},
         "jax.lax.all_gather": {at("all_gather")},
     }
+
+
+def test_unreadable_files_are_reported_in_one_line_each_and_the_scan_goes_on(
+    tmp_path: Path, capsys
+):
+    (tmp_path / "a_train.py").write_text(IMAGENET)
+    (tmp_path / "binary.py").write_bytes(b"\x00\x01\x02\xff" * 8)
+    (tmp_path / "latin.py").write_bytes("x = 'caf\xe9'\n".encode("latin-1"))  # no coding line
+    declared = "# -*- coding: latin-1 -*-\nimport jax\nf = jax.pmap(abs)  # caf\xe9\n"
+    (tmp_path / "declared.py").write_bytes(declared.encode("latin-1"))
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    assert migrate.main([str(tmp_path)]) == 1  # the readable files' findings still count
+    captured = capsys.readouterr()
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 3 and all(": not checked, not valid Python" in e for e in errors)
+    assert {Path(e.split(":")[0]).name for e in errors} == {"binary.py", "latin.py", "broken.py"}
+    assert f"{tmp_path / 'declared.py'}:3: jax.pmap" in captured.out  # its coding line honoured
+    assert "3 file(s) not checked (above)" in captured.out
+    (tmp_path / "a_train.py").unlink()
+    (tmp_path / "declared.py").unlink()
+    assert migrate.main([str(tmp_path)]) == 2  # nothing found, but not everything checked

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -280,6 +281,23 @@ def test_a_mismatched_checkpoint_lists_the_paths(pmap_checkpoints: PmapCheckpoin
     assert int(state.step) == 0
     with pytest.raises(FileNotFoundError, match=r"No flax\.training\.checkpoints checkpoint"):
         import_flax_checkpoint(directory, adam, step=123)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
+@pytest.mark.parametrize("keep", [0.5, 0.0])
+def test_a_msgpack_checkpoint_cut_short_is_named(
+    pmap_checkpoints: PmapCheckpoints, tmp_path, keep: float
+) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    saved = next(Path(pmap_checkpoints.dirs["msgpack-replicated"]).glob("checkpoint_*"))
+    cut = tmp_path / saved.name
+    shutil.copy(saved, cut)
+    data = cut.read_bytes()
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match=rf"{cut} \({int(len(data) * keep)} bytes\) is cut short"):
+        import_flax_checkpoint(str(cut), example_state())
 
 
 def continue_imported(directory: str) -> dict[str, Any]:

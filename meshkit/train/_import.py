@@ -125,10 +125,24 @@ def _read(path: str, step: int | None) -> Any:
             )
         where = Path(chosen)
     if where.is_file():  # the msgpack format of flax before Orbax
-        return checkpoints.restore_checkpoint(str(where), target=None)
+        return _read_msgpack(where, checkpoints)
     from meshkit.train._orbax import read_pytree_as_numpy
 
     return read_pytree_as_numpy(where)
+
+
+def _read_msgpack(where: Path, checkpoints: Any) -> Any:
+    """A msgpack checkpoint's tree; a file cut short or not msgpack at all is named."""
+    size = where.stat().st_size
+    try:
+        return checkpoints.restore_checkpoint(str(where), target=None)
+    except Exception as error:
+        cut = "incomplete" in str(error).lower() or size == 0
+        what = "is cut short" if cut else "is not a msgpack checkpoint flax can read"
+        raise ValueError(
+            f"{where} ({size} bytes) {what} ({type(error).__name__}: {error}). Copy it again "
+            "from where it was written, or import an earlier checkpoint_<step>."
+        ) from None
 
 
 def _is_checkpoint(path: Path) -> bool:
