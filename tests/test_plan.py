@@ -509,3 +509,19 @@ def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_expla
         "the global batch (image: 7 rows, label: 7 rows) does not split over its 8 data "
         "shards (data); use a batch that is a multiple of 8"
     )
+
+
+@pytest.mark.once(8)
+def test_a_model_axis_that_shards_nothing_is_marked_and_ranked_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    layouts = [
+        planning.Layout({"data": 1, "model": 8}, precision="f32"),  # no logical names: idle
+        planning.Layout({"data": 8}, precision="f32"),
+    ]
+    result = planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+    idle, used = (next(r for r in result.reports if r.layout is layout) for layout in layouts)
+    assert idle.measurement.idle_axes == ("model",) and used.measurement.idle_axes == ()
+    assert idle.measurement.params_bytes == used.measurement.params_bytes  # nothing sharded
+    assert result.best is used and result.reports[-1] is idle
+    assert "model=8 shards no parameter, so its devices repeat the same work" in result.table()
+    record = json.loads(result.write_json(tmp_path / "plan.json").read_text())["layouts"][-1]
+    assert record["idle_axes"] == ["model"]

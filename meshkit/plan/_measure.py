@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from meshkit._batch import batch_sharding
+from meshkit._specs import spec_axis_names
 from meshkit.models._remat import RematPolicy
 from meshkit.plan._hlo import Collective, program_counts
 from meshkit.plan._layout import Layout, Target, layout_mesh
@@ -87,6 +88,9 @@ class Measurement:
         ``temp_bytes`` is then its own requirement, ``total_bytes`` at least that plus
         the state and batch) or another failure. The figures only a program gives
         (FLOPs, traffic, collectives) are NaN or empty.
+      idle_axes: the layout's model and FSDP axes (of more than one device) that shard
+        no parameter: a model axis then only repeats the same work on each of its
+        devices, an FSDP axis is plain data parallelism.
     """
 
     layout: Layout
@@ -104,6 +108,7 @@ class Measurement:
     compile_seconds: float
     compiler: str
     error: str = ""
+    idle_axes: tuple[str, ...] = ()
 
     def traffic_bytes(self, *, across_slices: bool | None = None) -> float:
         """Bytes one device sends per step in collectives (all, within, or across slices)."""
@@ -249,11 +254,28 @@ def _refused(
         compile_seconds=seconds,
         compiler=_compiler_name(target),
         error=reason,
+        idle_axes=idle_axes(state, layout),
     )
 
 
 def _compiler_name(target: Target) -> str:
     return f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU"
+
+
+def idle_axes(state: TrainState, layout: Layout) -> tuple[str, ...]:
+    """The layout's model axes and FSDP axes (data axes after the first) of more than
+    one device that no parameter is sharded over."""
+    used = {
+        axis
+        for leaf in jax.tree.leaves(state.params)
+        for axis in spec_axis_names(getattr(leaf.sharding, "spec", ()))
+    }
+    sharding_axes = [
+        axis
+        for axis, size in layout.axis_sizes.items()
+        if size > 1 and (axis not in layout.data_axes or axis != layout.data_axes[0])
+    ]
+    return tuple(axis for axis in sharding_axes if axis not in used)
 
 
 def _read(
@@ -294,4 +316,5 @@ def _read(
         collectives=counts.collectives,
         compile_seconds=seconds,
         compiler=_compiler_name(target),
+        idle_axes=idle_axes(state, layout),
     )

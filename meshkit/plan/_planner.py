@@ -99,6 +99,7 @@ class LayoutReport:
             "compile_seconds": m.compile_seconds,
             "compiler": m.compiler,
             "error": m.error or None,
+            "idle_axes": list(m.idle_axes),
         }
         return {key: _json_number(value) for key, value in report.items()}
 
@@ -164,7 +165,8 @@ class Plan:
 
     @property
     def best(self) -> LayoutReport:
-        """The fastest layout that fits; raises ``NoLayoutFitsError`` when none does."""
+        """The fastest layout that fits (one whose model axis shards no parameter only
+        when no other fits); raises ``NoLayoutFitsError`` when none does."""
         if self.reports and self.reports[0].fits:
             return self.reports[0]
         raise NoLayoutFitsError(_nothing_fits(self))
@@ -233,11 +235,13 @@ def _nothing_fits(plan: Plan) -> str:
 
 
 def _rank_key(report: LayoutReport) -> tuple[bool, bool, float]:
-    """Fitting layouts by step time, then those that do not by their overshoot, then
-    those that failed to compile for another reason than memory."""
+    """Fitting layouts by step time (those whose model axis shards nothing after the
+    others), then those that do not fit by their overshoot, then those that failed to
+    compile for another reason than memory."""
     m = report.measurement
     if report.fits:
-        return (False, False, report.estimated_step_seconds)
+        wasted = any(axis not in m.layout.data_axes for axis in m.idle_axes)
+        return (False, wasted, report.estimated_step_seconds)
     unknown = bool(m.error) and "for memory" not in m.error
     return (True, unknown, m.total_bytes - report.capacity_bytes)
 

@@ -46,7 +46,26 @@ def plan_table(plan: Plan) -> str:
         )
         if m.error:
             notes.append(f"{rank:>2}  {m.layout.name}: {m.error}")
+        if m.idle_axes:
+            notes.append(f"{rank:>2}  {m.layout.name}: {_idle(m)}")
     return "\n".join(lines + notes)
+
+
+def _idle(m: Any) -> str:
+    """Why a layout's model or FSDP axis is idle, and how to put it to work."""
+    sizes = m.layout.axis_sizes
+    named = ", ".join(f"{axis}={sizes[axis]}" for axis in m.idle_axes)
+    wasted = [axis for axis in m.idle_axes if axis not in m.layout.data_axes]
+    effect = (
+        "its devices repeat the same work (ranked after the layouts that use every axis)"
+        if wasted
+        else "it is only more data parallelism"
+    )
+    return (
+        f"{named} shards no parameter, so {effect}; the model's parameters carry no logical "
+        "axis names for it: annotate them (nn.with_logical_partitioning, as meshkit.models "
+        "do) and plan with rules that map those names, or leave the axis out"
+    )
 
 
 def _figure(value: float, spec: str, known: bool) -> str:
