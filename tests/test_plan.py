@@ -525,3 +525,18 @@ def test_a_model_axis_that_shards_nothing_is_marked_and_ranked_after(tmp_path) -
     assert "model=8 shards no parameter, so its devices repeat the same work" in result.table()
     record = json.loads(result.write_json(tmp_path / "plan.json").read_text())["layouts"][-1]
     assert record["idle_axes"] == ["model"]
+
+
+@pytest.mark.once(8)
+def test_xla_resharding_warnings_are_counted_and_other_log_lines_pass_through(capfd) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from meshkit.plan._measure import _xla_resharding_warnings
+
+    collected: list[str] = []
+    with _xla_resharding_warnings(collected):
+        os.write(2, b"W1127 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization.\n")
+        os.write(2, b"E1127 something else the compiler said\n")
+    assert len(collected) == 1 and "Involuntary" in collected[0]
+    err = capfd.readouterr().err
+    assert "something else the compiler said" in err and "Involuntary" not in err

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -88,6 +92,9 @@ class Measurement:
         ``temp_bytes`` is then its own requirement, ``total_bytes`` at least that plus
         the state and batch) or another failure. The figures only a program gives
         (FLOPs, traffic, collectives) are NaN or empty.
+      resharding_warnings: XLA's "Involuntary full rematerialization" warnings while
+        compiling (a tensor it could not reshard efficiently, replicated first; see
+        docs/planning.md), taken off the console and counted here.
       idle_axes: the layout's model and FSDP axes (of more than one device) that shard
         no parameter: a model axis then only repeats the same work on each of its
         devices, an FSDP axis is plain data parallelism.
@@ -109,6 +116,7 @@ class Measurement:
     compiler: str
     error: str = ""
     idle_axes: tuple[str, ...] = ()
+    resharding_warnings: int = 0
 
     def traffic_bytes(self, *, across_slices: bool | None = None) -> float:
         """Bytes one device sends per step in collectives (all, within, or across slices)."""
@@ -162,6 +170,25 @@ def measure(
         workload.loss_fn, state_shardings_of(state), data, microbatches=layout.microbatches
     )
     start = time.perf_counter()
+    reshards: list[str] = []
+    with _xla_resharding_warnings(reshards):
+        measurement = _compile(
+            step, state, batch, layout, slice_of_device=slice_of_device, target=target, start=start
+        )
+    return dataclasses.replace(measurement, resharding_warnings=len(reshards))
+
+
+def _compile(
+    step: Any,
+    state: TrainState,
+    batch: dict[str, jax.ShapeDtypeStruct],
+    layout: Layout,
+    *,
+    slice_of_device: list[int],
+    target: Target,
+    start: float,
+) -> Measurement:
+    """Lowers and compiles the step; a compile that fails is the layout's row."""
     try:
         lowered = cast(Any, step).lower(state, batch)
     except Exception as error:
@@ -203,6 +230,34 @@ def memory_refusal(message: str) -> tuple[str, int, int] | None:
     need = float(match["need"]) * _UNITS[match["unit"]]
     have = float(match["have"]) * _UNITS[match["have_unit"]]
     return match["what"], int(need), int(have)
+
+
+RESHARDING_WARNING = "Involuntary full rematerialization"
+"""What XLA's SPMD partitioner logs when it replicates a tensor to reshard it."""
+
+
+@contextlib.contextmanager
+def _xla_resharding_warnings(collected: list[str]) -> Iterator[None]:
+    """XLA's C++ log lines (file descriptor 2) while the block runs: those naming
+    ``RESHARDING_WARNING`` go to ``collected``, the rest back to stderr after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+    for line in text.splitlines(keepends=True):
+        if RESHARDING_WARNING in line:
+            collected.append(line)
+        else:
+            sys.stderr.write(line)
+    sys.stderr.flush()
 
 
 def _compile_failure(error: Exception, target: Target) -> tuple[str, int]:

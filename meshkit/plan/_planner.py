@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -286,12 +287,30 @@ def plan(
         measurements.append(measure(workload, layout, target, devices))
         if on_report is not None:
             on_report(estimate(measurements[-1], target, measurements[-1].flops * target.devices))
+    _say_resharding(measurements)
     model_flops = workload.model_flops
     if model_flops is None:
         compiled = [m.flops for m in measurements if not m.error]
         model_flops = min(compiled) * target.devices if compiled else float("nan")
     reports = [estimate(m, target, model_flops) for m in measurements]
     return Plan(target, tuple(sorted(reports, key=_rank_key)))
+
+
+def _say_resharding(measurements: Sequence[Measurement]) -> None:
+    """XLA's resharding warnings of the whole plan, in one line (each is hundreds of
+    characters, and came once per tensor)."""
+    warned = [m for m in measurements if m.resharding_warnings]
+    if not warned:
+        return
+    names = ", ".join(m.layout.name for m in warned[:3]) + (" ..." if len(warned) > 3 else "")
+    logging.getLogger("meshkit").warning(
+        'XLA replicated a tensor it could not reshard efficiently (%d "Involuntary full '
+        'rematerialization" warnings) in %d layout(s): %s. Their memory and traffic include '
+        'it; see docs/planning.md, "XLA\'s resharding warnings".',
+        sum(m.resharding_warnings for m in warned),
+        len(warned),
+        names,
+    )
 
 
 LOGICAL_NAMES_MODEL_AXIS = ("mlp", "heads", "vocab")
