@@ -69,3 +69,23 @@ def test_two_planners_at_once_share_libtpu():
     for process, (out, err) in zip(started, outputs, strict=True):
         assert process.returncode == 0, err[-3000:]
         assert "chosen:" in out and not any(noise in err for noise in LIBTPU_NOISE), err
+
+
+def test_the_pallas_flash_kernel_compiles_for_a_tpu_and_stores_no_attention_matrix():
+    from meshkit.plan import plan_in_subprocess
+
+    temporaries = {}
+    for attention in ("xla", "pallas"):
+        plan = plan_in_subprocess(
+            ["--model", "gpt-125m", "--length", "1024", "--batch-size", "8", "--accelerator",
+             "v5e", "--devices", "4", "--compiler", "tpu", "--topology", "v5e:2x2", "--tensor",
+             "1,2", "--fsdp", "2", "--remat", "none", "--quiet", "--attention", attention],
+            timeout=600,
+        )  # fmt: skip
+        assert all(layout["error"] is None for layout in plan["layouts"])
+        temporaries[attention] = {
+            layout["layout"]: layout["temp_bytes_per_device"] for layout in plan["layouts"]
+        }
+    # model=2 splits the heads: the kernel runs per device under shard_map either way
+    for layout, xla in temporaries["xla"].items():
+        assert temporaries["pallas"][layout] < xla - 2**30, (layout, temporaries)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from meshkit.models._attention import dot_product_attention as dot_product_attention
 from meshkit.models._remat import RematPolicy as RematPolicy
 from meshkit.models._resnet import BasicBlock as BasicBlock
 from meshkit.models._resnet import Bottleneck as Bottleneck

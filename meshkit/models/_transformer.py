@@ -37,6 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshkit.models._attention import (
+    AttentionImplementation,
+    check_implementation,
+    check_weights_kept,
+    dot_product_attention,
+)
 from meshkit.models._remat import RematPolicy, remat_block, remat_policy, scan_blocks
 
 _INIT_STDDEV = 0.02
@@ -110,6 +116,7 @@ class CausalSelfAttention(nn.Module):
 
     num_heads: int
     dropout_rate: float = 0.0
+    implementation: AttentionImplementation = "auto"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
@@ -128,13 +135,21 @@ class CausalSelfAttention(nn.Module):
             return nn.with_logical_constraint(y_BxLxHxK, heads)
 
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (project(n) for n in ("query", "key", "value"))
-        logits_BxHxLxL = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
-        length = x_BxLxD.shape[1]
-        causal_LxL = jnp.tril(jnp.ones((length, length), bool))
-        logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL.astype(jnp.float32), -jnp.inf)
-        weights_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(x_BxLxD.dtype)
-        weights_BxHxLxL = nn.Dropout(self.dropout_rate, deterministic=not train)(weights_BxHxLxL)
-        mixed_BxLxHxK = jnp.einsum("bhqt,bthk->bqhk", weights_BxHxLxL, v_BxLxHxK)
+        if train and self.dropout_rate > 0:  # dropout on the weights: they must exist
+            check_weights_kept(self.implementation, where="Transformer")
+            logits_BxHxLxL = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxLxHxK) / math.sqrt(
+                head_dim
+            )
+            length = x_BxLxD.shape[1]
+            causal_LxL = jnp.tril(jnp.ones((length, length), bool))
+            logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL.astype(jnp.float32), -jnp.inf)
+            weights_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(x_BxLxD.dtype)
+            weights_BxHxLxL = nn.Dropout(self.dropout_rate, deterministic=False)(weights_BxHxLxL)
+            mixed_BxLxHxK = jnp.einsum("bhqt,bthk->bqhk", weights_BxHxLxL, v_BxLxHxK)
+        else:
+            mixed_BxLxHxK = dot_product_attention(
+                q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal=True, implementation=self.implementation
+            )
         mixed_BxLxHxK = nn.with_logical_constraint(mixed_BxLxHxK, heads)
         return Einsum(
             "blhk,hkd->bld",
@@ -173,11 +188,14 @@ class Block(nn.Module):
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
+    attention: AttentionImplementation = "auto"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
-        attention = CausalSelfAttention(self.num_heads, self.dropout_rate, name="attention")
+        attention = CausalSelfAttention(
+            self.num_heads, self.dropout_rate, self.attention, name="attention"
+        )
         x_BxLxD = x_BxLxD + dropout(attention(_layer_norm("attention_norm")(x_BxLxD), train=train))
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
         mlp = Mlp(self.mlp_dim, name="mlp")
@@ -214,6 +232,12 @@ class Transformer(nn.Module):
         leading ``layers`` dimension (``params/layers/...`` instead of
         ``params/block_0/...``), so the compiled program does not grow with
         ``num_layers``.
+      attention: how attention is computed (``meshkit.models.dot_product_attention``):
+        ``"auto"`` (cuDNN's fused kernel on GPUs for 16-bit compute, the Pallas flash
+        kernel on TPUs, XLA elsewhere), ``"xla"``, ``"cudnn"`` or ``"pallas"``. The
+        fused kernels store no ``[length, length]`` weights; with attention dropout in
+        training the weights must exist, so ``"auto"`` and ``"xla"`` compute them and
+        the fused kernels are refused.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -246,9 +270,11 @@ class Transformer(nn.Module):
     tie_embeddings: bool = True
     remat: RematPolicy = "none"
     scan_layers: bool = False
+    attention: AttentionImplementation = "auto"
 
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
+        check_implementation(self.attention, where="Transformer")
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"Transformer embed_dim={self.embed_dim} is not divisible by "
@@ -302,12 +328,18 @@ class Transformer(nn.Module):
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
         block = remat_block(Block, self.remat, scanned=self.scan_layers)
         if self.scan_layers:
-            layers = block(self.num_heads, self.mlp_dim, self.dropout_rate, name="layers")
+            layers = block(
+                self.num_heads, self.mlp_dim, self.dropout_rate, self.attention, name="layers"
+            )
             x_BxLxD = scan_blocks(layers, x_BxLxD, train, length=self.num_layers)
         else:
             for layer in range(self.num_layers):
                 layer_block = block(
-                    self.num_heads, self.mlp_dim, self.dropout_rate, name=f"block_{layer}"
+                    self.num_heads,
+                    self.mlp_dim,
+                    self.dropout_rate,
+                    self.attention,
+                    name=f"block_{layer}",
                 )
                 x_BxLxD = layer_block(x_BxLxD, train)
         x_BxLxD = _layer_norm("final_norm")(x_BxLxD)

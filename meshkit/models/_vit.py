@@ -13,6 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from meshkit.models._attention import (
+    AttentionImplementation,
+    check_implementation,
+    flax_attention_fn,
+)
 from meshkit.models._remat import RematPolicy, remat_block, remat_policy, scan_blocks
 
 Pool = Literal["token", "gap"]
@@ -77,6 +82,7 @@ class EncoderBlock(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     dtype: Any = None
+    attention: AttentionImplementation = "auto"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
@@ -87,6 +93,7 @@ class EncoderBlock(nn.Module):
             kernel_init=_DENSE_INIT,
             dropout_rate=self.attention_dropout_rate,
             deterministic=not train,
+            attention_fn=flax_attention_fn(self.attention),
             name="attention",
         )(h)
         x_BxLxD = x_BxLxD + nn.Dropout(self.dropout_rate, deterministic=not train)(h)
@@ -127,6 +134,9 @@ class ViT(nn.Module):
       scan_layers: run the encoder blocks as one ``nn.scan`` over parameters stacked
         along a leading dimension of size ``depth`` (``params/layers/...`` instead of
         ``params/block1/...``).
+      attention: how attention is computed, as in ``Transformer`` (``"auto"``,
+        ``"xla"``, ``"cudnn"``, ``"pallas"``); with attention dropout in training
+        Flax's own attention runs (the fused kernels are refused).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -150,10 +160,12 @@ class ViT(nn.Module):
     dtype: Any = None
     remat: RematPolicy = "none"
     scan_layers: bool = False
+    attention: AttentionImplementation = "auto"
 
     def _check(self, shape: tuple[int, ...]) -> None:
         name = type(self).__name__
         remat_policy(self.remat)
+        check_implementation(self.attention, where=name)
         if self.pool not in ("token", "gap"):
             raise ValueError(f"pool must be 'token' or 'gap', got {self.pool!r}.")
         if self.embed_dim % self.num_heads:
@@ -209,6 +221,7 @@ class ViT(nn.Module):
             "dropout_rate": self.dropout_rate,
             "attention_dropout_rate": self.attention_dropout_rate,
             "dtype": self.dtype,
+            "attention": self.attention,
         }
         if self.scan_layers:
             layers = block(**settings, name="layers")

@@ -68,6 +68,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--microbatches", type=_ints, default=[1], help="counts to try")
     p.add_argument("--precision", default="bf16", choices=("f32", "bf16", "f16"))
+    p.add_argument(
+        "--attention",
+        choices=("auto", "xla", "cudnn", "pallas"),
+        help="the model's attention (default: pallas with --compiler tpu, else auto)",
+    )
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument("--png", type=Path, help="write bytes per device per layout as a PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -79,11 +84,13 @@ def _workload(args: argparse.Namespace) -> Any:
         return _user_workload(args.workload, args.remat)
     from meshkit.plan._workloads import transformer_workload
 
+    attention = args.attention or ("pallas" if args.compiler == "tpu" else "auto")
     return transformer_workload(
         **MODELS[args.model],
         vocab_size=args.vocab,
         length=args.length,
         batch_size=args.batch_size,
+        attention=attention,
     )
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from meshkit._types import Batch
+from meshkit.models._attention import AttentionImplementation
 from meshkit.models._remat import RematPolicy
 from meshkit.plan._measure import Workload
 from meshkit.train._gradients import LossOutput
@@ -37,6 +38,7 @@ def transformer_workload(
     batch_size: int,
     tx: optax.GradientTransformation | None = None,
     scan_layers: bool = True,
+    attention: AttentionImplementation = "auto",
 ) -> Workload:
     """A GPT-style ``meshkit.models.Transformer`` trained on next-token prediction.
 
@@ -44,7 +46,9 @@ def transformer_workload(
     a shallow one; a layout's ``remat`` policy goes to every block. The optimizer
     defaults to AdamW (two float32 moments per parameter). Its parameter count is
     ``num_layers * (4 * embed_dim**2 + 2 * embed_dim * mlp_dim) + vocab_size * embed_dim``
-    plus biases, norms and ``length * embed_dim`` learned position codes.
+    plus biases, norms and ``length * embed_dim`` learned position codes. ``attention``
+    goes to the model (``"pallas"`` for a TPU target: the flash kernel the pod runs;
+    ``"auto"`` picks by the backend that compiles, XLA on a CPU).
 
     Examples:
         >>> workload = transformer_workload(num_layers=2, embed_dim=64, num_heads=4,
@@ -64,6 +68,7 @@ def transformer_workload(
             max_length=length,
             remat=remat,
             scan_layers=scan_layers,
+            attention=attention,
         )
         return linen_model(module, jnp.zeros((1, length), jnp.int32))
 
