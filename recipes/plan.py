@@ -77,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshkit import plan
 
-    workload = plan.transformer_workload(
-        **SIZES[args.params], vocab_size=50304, length=args.length, batch_size=args.batch_size
-    )
     tpu = importlib.util.find_spec("libtpu") is not None
     for name in targets:
         spec = TARGETS[name]
         on_tpu = tpu and spec["accelerator"] == "v5e"
+        workload = plan.transformer_workload(  # the TPU compiler plans the flash kernel
+            **SIZES[args.params],
+            vocab_size=50304,
+            length=args.length,
+            batch_size=args.batch_size,
+            attention="pallas" if on_tpu else "auto",
+        )
         target = plan.Target(
             spec["accelerator"],
             spec["devices"],

@@ -71,12 +71,13 @@ def test_a_key_padding_mask_hides_the_padded_keys():
 
 
 def test_the_transformer_and_vit_give_the_same_logits_with_every_cpu_implementation():
-    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
-    images = jax.random.normal(jax.random.key(2), (2, 16, 16, 3))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    images = jax.random.normal(jax.random.key(2), (2, 8, 8, 3))
     for make, x in (
-        (lambda a: Transformer(num_layers=2, embed_dim=64, max_length=32, attention=a), tokens),
-        (lambda a: ViT(num_classes=10, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                       attention=a), images),
+        (lambda a: Transformer(num_layers=1, num_heads=2, embed_dim=32, mlp_dim=64,
+                               max_length=16, attention=a), tokens),
+        (lambda a: ViT(num_classes=10, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                       mlp_dim=32, attention=a), images),
     ):  # fmt: skip
         variables = make("auto").init(jax.random.key(0), x)
         variables = jax.tree_util.tree_map_with_path(  # ViT's head starts at zero: ones
@@ -97,8 +98,8 @@ def test_fused_kernels_are_refused_where_they_cannot_run():
         dot_product_attention(q, k, v, implementation="flash")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="no key padding mask"):
         dot_product_attention(q, k, v, key_mask_BxT=jnp.ones((2, 8), bool), implementation="pallas")
-    model = Transformer(num_layers=1, embed_dim=32, max_length=8, dropout_rate=0.1,
-                        attention="cudnn")  # fmt: skip
+    model = Transformer(num_layers=1, num_heads=2, embed_dim=16, mlp_dim=32, max_length=8,
+                        dropout_rate=0.1, attention="cudnn")  # fmt: skip
     tokens = jnp.zeros((2, 8), jnp.int32)
     variables = model.clone(attention="auto").init(jax.random.key(0), tokens)
     with pytest.raises(ValueError, match="has no dropout on the attention weights"):
