@@ -47,10 +47,14 @@ def test_the_recipe_plans_the_v5e_pod_with_refused_layouts_as_rows(tmp_path):
     assert refused and all("refused it for memory" in layout["error"] for layout in refused)
     assert all(not layout["fits"] and layout["flops_per_device"] is None for layout in refused)
     assert layouts[0]["fits"] and layouts[0]["compiler"] == "XLA:TPU (v5e:16x16)"
-    # 6 N D + attention, about 9e9 FLOPs a token (x 4/3 recomputed), over 256 chips: the
-    # 24 scanned layers are counted as often as they run, not once
-    tokens = 256 * 2048
-    assert 0.9 * 9e9 * tokens / 256 < layouts[0]["flops_per_device"] < 1.5 * 9e9 * tokens / 256
+    assert any(layout["fits"] and layout["remat"] == "none" for layout in layouts)  # flash
+    # 6 FLOPs per parameter and token over 256 chips (the flash kernel's own FLOPs are a
+    # custom call's, not counted; remat adds the forward pass again, up to 4/3): the 24
+    # scanned layers are counted as often as they run, not once
+    for layout in layouts:
+        if layout["error"] is None:
+            six_nd = 6 * layout["num_params"] * 256 * 2048 / 256
+            assert 0.95 * six_nd < layout["flops_per_device"] < 1.35 * six_nd, layout
 
 
 def test_two_planners_at_once_share_libtpu():
