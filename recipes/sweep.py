@@ -178,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         result.plot(args.workdir / "sweep.png")
         print(result.table(), flush=True)
+        print(
+            f"written: {args.workdir / 'results.json'} (every trial, its scores and lineage), "
+            f"{args.workdir / 'sweep.png'} (the curves), {args.workdir / 'best'} (the "
+            "winner's checkpoint and hyperparameters)",
+            flush=True,
+        )
     write_summary(
         args.workdir,
         {
@@ -195,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             "best_trial": best.id,
             "best_test_accuracy": best.metrics.get("accuracy"),
             "best_test_loss": best.metrics.get("loss"),
-            "table": [
-                {"trial": t.id, "status": t.status, "accuracy": t.score(), **t.point}
-                for t in result.ranked()
-            ],
+            "results": str(args.workdir / "results.json"),
         },
     )
     return 0

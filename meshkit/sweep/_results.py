@@ -192,7 +192,8 @@ class SweepResult:
         write_text_atomically(as_path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
     def table(self, limit: int | None = None) -> str:
-        """A text table of the trials, best first.
+        """A text table of the trials, best first (with a ``parent`` column when a trial
+        copied another's state: population-based training).
 
         Examples:
             >>> trials = [Trial(0, 0, {"learning_rate": 0.1}, None, 0),
@@ -209,11 +210,14 @@ class SweepResult:
         """
         rows = self.ranked()[:limit]
         names = list(rows[0].point) if rows else []
-        header = ["rank", "trial", "slot", "status", self.metric, *names]
+        lineage = any(t.parent is not None for t in self.trials)  # population-based training
+        header = ["rank", "trial", *(["parent"] if lineage else []), "slot", "status"]
+        header += [self.metric, *names]
         body = [
             [
                 str(rank),
                 str(t.id),
+                *([("-" if t.parent is None else str(t.parent))] if lineage else []),
                 str(t.slot),
                 t.status,
                 f"{t.score():.4f}",
@@ -221,7 +225,7 @@ class SweepResult:
             ]
             for rank, t in enumerate(rows, 1)
         ]
-        return format_table(header, body, left=(3,))
+        return format_table(header, body, left=(4 if lineage else 3,))
 
     def curves(self) -> dict[int, list[tuple[int, float]]]:
         """Each slot's training loss over the steps, read from the stages' ``metrics.jsonl``."""

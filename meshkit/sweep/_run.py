@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from meshkit._paths import PathLike, as_path, write_text_atomically
 from meshkit._types import PerExampleFn
@@ -306,7 +307,13 @@ def run_sweep(
             "values": value_arrays(decision.points, names),
         }
         state = _reassign(model, layout)(state, moves)
+        old_slots = slots
         slots = _apply(decision, trials, slots, active, end)
+        if jax.process_index() == 0:  # the schedule's decisions, a line each
+            for line in describe_decision(
+                decision, trials, old_slots, slots, step=end, metric=metric
+            ):
+                tqdm.write(line)
         current, active, start = list(decision.points), decision.active.copy(), end
     for slot, trial_id in enumerate(slots):
         if active[slot]:
@@ -326,6 +333,62 @@ def run_sweep(
     if jax.process_index() == 0:
         sweep.write_json(workdir / "results.json")
     return sweep
+
+
+def describe_decision(
+    decision: Decision,
+    trials: list[Trial],
+    before: list[int],
+    after: list[int],
+    *,
+    step: int,
+    metric: str,
+) -> list[str]:
+    """One line per slot a schedule changed at ``step``: stopped, restarted, or copying
+    a better trial with perturbed values (population-based training).
+
+    Examples:
+        >>> t = [Trial(0, 0, {"lr": 0.1}, None, 0), Trial(1, 1, {"lr": 0.01}, None, 0),
+        ...      Trial(2, 0, {"lr": 0.012}, 1, 50)]
+        >>> t[0].record(50, 0.4, {}); t[1].record(50, 0.9, {})
+        >>> d = Decision(np.array([1, 1]), np.array([False, False]), np.array([True, True]),
+        ...              ({"lr": 0.012}, {"lr": 0.01}), (0,))
+        >>> for part in describe_decision(d, t, [0, 1], [2, 1], step=50, metric="accuracy")[
+        ...     0
+        ... ].split(": "):
+        ...     print(part)
+        step 50
+        slot 0 (trial 0, accuracy 0.4000) copies trial 1 (0.9000) as trial 2
+        lr 0.01 -> 0.012
+    """
+    lines = []
+    for slot in decision.changed:
+        old, new = trials[before[slot]], trials[after[slot]]
+        where = f"step {step}: slot {slot} (trial {old.id}, {metric} {old.score():.4f})"
+        if new.parent is None:
+            values = _changes(old.point, new.point) or "the same values"
+            lines.append(f"{where} restarts as trial {new.id}: {values}")
+        else:  # a copy: its values against its donor's (perturbed, or kept)
+            donor = trials[new.parent]
+            values = _changes(donor.point, new.point) or "its values as they are"
+            lines.append(
+                f"{where} copies trial {donor.id} ({donor.score():.4f}) as trial {new.id}: {values}"
+            )
+    for slot in np.flatnonzero(~decision.active):
+        trial = trials[after[slot]]
+        if slot not in decision.changed and trial.status == "stopped" and trial.end == step:
+            lines.append(f"step {step}: slot {slot} (trial {trial.id}, {metric} "
+                         f"{trial.score():.4f}) stops")  # fmt: skip
+    return lines
+
+
+def _changes(before: Mapping[str, Value], after: Mapping[str, Value]) -> str:
+    """``"learning_rate 0.001 -> 0.0012"`` for each value that differs."""
+    return ", ".join(
+        f"{name} {before.get(name, float('nan')):.4g} -> {after[name]:.4g}"
+        for name in after
+        if after[name] != before.get(name)
+    )
 
 
 def _member_metrics(measured: Mapping[str, float], slot: int) -> dict[str, float]:
