@@ -114,7 +114,8 @@ def detect_launch(
         >>> detect_launch(environ={})
         Launch(mode='single', coordinator_address=None, num_processes=None, process_id=None)
         >>> detect_launch(environ={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0",
-        ...                        "SLURM_STEP_NUM_TASKS": "4"}).mode
+        ...     "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_PROCID": "1",
+        ...     "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "node1"}).mode
         'slurm'
     """
     environ = os.environ if environ is None else environ
@@ -137,7 +138,33 @@ def detect_launch(
             )
         return _checked(Launch("environment", environ[ENV_COORDINATOR], num, pid))
     cluster = _detect_cluster(environ)
+    if cluster == "slurm":
+        _check_slurm_step(environ)
     return Launch(cluster) if cluster else Launch("single")
+
+
+SLURM_STEP_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+"""What JAX reads to join the tasks of a SLURM step (``srun`` sets them all)."""
+
+
+def _check_slurm_step(environ: Mapping[str, str]) -> None:
+    """Raises a one-line ``ValueError`` when SLURM variables announce several tasks but
+    the ones JAX needs to find the others are missing (a shell inside an allocation, or
+    a script run without ``srun``)."""
+    missing = [name for name in SLURM_STEP_VARIABLES if name not in environ]
+    if not missing:
+        return
+    said = ", ".join(
+        f"{name}={environ[name]}"
+        for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        if name in environ
+    )
+    raise ValueError(
+        f"SLURM variables say this process is one of several tasks ({said}), but "
+        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so it cannot "
+        "find the others. Start every task with srun (as the docs' job scripts do), or run "
+        "alone without the step's variables: env -u SLURM_STEP_ID python ..."
+    )
 
 
 def _checked(launch: Launch) -> Launch:

@@ -123,7 +123,7 @@ def add_input_options(
 
 
 @contextlib.contextmanager
-def input_errors_in_one_line() -> Iterator[None]:
+def setup_errors_in_one_line() -> Iterator[None]:
     """A ``ValueError`` while the training input or the run is set up (a dataset too
     large to be resident, a batch larger than the dataset, a workdir holding a run with
     other settings) ends the recipe with its message alone: each names the setting and
@@ -171,7 +171,7 @@ def start_run(
 
     if args.fresh:
         clear_run(args.workdir)
-    with input_errors_in_one_line():
+    with setup_errors_in_one_line():
         train.write_run_config(args.workdir, args, mesh, resuming=resuming)
     done = train.Checkpoints().checkpointer(args.workdir).latest_step() if finished else None
     if done is not None and done >= args.steps:

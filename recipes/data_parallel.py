@@ -51,11 +51,11 @@ from recipes._args import (
     add_training_options,
     fit_options,
     hyperparameters,
-    input_errors_in_one_line,
     learning_rate_schedule,
     positive_int,
     recipe_parser,
     run_summary,
+    setup_errors_in_one_line,
     start_run,
     write_summary,
 )
@@ -109,7 +109,8 @@ def load_data(args: argparse.Namespace, image_shape: tuple[int, int, int] | None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
     import jax.numpy as jnp
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             name=repr(train_source),
             num_classes=10,
         )
-    with input_errors_in_one_line():
+    with setup_errors_in_one_line():
         pipeline = data.TrainPipeline(
             train_source,
             global_batch_size=args.batch_size,

@@ -46,11 +46,11 @@ from recipes._args import (
     add_training_options,
     fit_options,
     hyperparameters,
-    input_errors_in_one_line,
     learning_rate_schedule,
     positive_int,
     recipe_parser,
     run_summary,
+    setup_errors_in_one_line,
     start_run,
     write_summary,
 )
@@ -113,7 +113,8 @@ def load_data(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
     import jax.numpy as jnp
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "resident": args.input == "resident",  # one copy of the data serves every member
     }
-    with input_errors_in_one_line():
+    with setup_errors_in_one_line():
         if args.same_batches:
             pipeline = data.TrainPipeline(train_source, **pipeline_args)
         else:

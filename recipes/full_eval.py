@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import meshkit
-from recipes._args import recipe_parser
+from recipes._args import recipe_parser, setup_errors_in_one_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,7 +129,8 @@ def methods(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import meshkit
-from recipes._args import recipe_parser
+from recipes._args import recipe_parser, setup_errors_in_one_line
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,7 +35,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import flax.linen as nn
     import jax

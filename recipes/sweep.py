@@ -47,9 +47,9 @@ from recipes._args import (
     RUN_FILES,
     add_input_options,
     clear_run,
-    input_errors_in_one_line,
     positive_int,
     recipe_parser,
+    setup_errors_in_one_line,
     start_run,
     workdir_path,
     write_summary,
@@ -111,7 +111,8 @@ def slice_of(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
     import jax.numpy as jnp
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.halving:
         rungs = sorted({max(args.steps // 3, 1), max(2 * args.steps // 3, 1)} - {args.steps})
         schedule = sweep.SuccessiveHalving(rungs=tuple(rungs), refill=True)
-    with input_errors_in_one_line():
+    with setup_errors_in_one_line():
         pipeline = sweep.sweep_pipeline(
             train_source,
             points,

@@ -45,6 +45,7 @@ from recipes._args import (
     positive_int,
     recipe_parser,
     run_summary,
+    setup_errors_in_one_line,
     start_run,
     write_summary,
 )
@@ -249,7 +250,8 @@ def on_these_devices(layout: Any, devices: int, args: argparse.Namespace) -> Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
+    with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
+        meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
     import optax

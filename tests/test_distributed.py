@@ -25,10 +25,20 @@ def test_detect_single_explicit_and_environment():
     assert detect_launch(environ=env) == Launch("environment", "127.0.0.1:99", 2, 1)
 
 
+SRUN = {
+    "SLURM_JOB_ID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "node[01-02]",
+    "SLURM_NTASKS": "8",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "3",
+}  # what srun sets for each task
+
+
 @pytest.mark.parametrize(
     ("environ", "mode"),
     [
-        ({"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}, "slurm"),
+        ({**SRUN, "SLURM_STEP_NUM_TASKS": "8"}, "slurm"),
         ({"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}, "single"),
         ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "8"}, "single"),  # salloc shell, not srun
         ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}, "mpi"),
@@ -144,3 +154,13 @@ def test_an_uncaught_exception_exits_at_once_with_its_code(raised, code):
         if message
         else f"[meshkit] Process 3 failed with {kind}; exiting with code {code}."
     )
+
+
+def test_slurm_variables_without_the_step_jax_needs_say_how_to_run_alone():
+    environ = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    with pytest.raises(ValueError) as error:
+        detect_launch(environ=environ)
+    message = str(error.value)
+    assert "(SLURM_JOB_ID=77, SLURM_STEP_ID=0, SLURM_NTASKS=2)" in message
+    assert "SLURM_STEP_NODELIST, SLURM_LOCALID are not set" in message
+    assert "srun" in message and "env -u SLURM_STEP_ID" in message and "\n" not in message
