@@ -212,7 +212,8 @@ def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
 
 def test_the_keywords_of_earlier_releases_still_work_with_a_warning(tmp_path):
     new_form = (
-        r"fit\(checkpoint_every=..., keep_checkpoints=...\) is deprecated.*"
+        r"fit\(checkpoint_every=..., keep_checkpoints=...\) is deprecated and will be removed in "
+        r"meshkit 0\.2\.0.*"
         r"pass checkpoints=Checkpoints\(every=..., keep=...\)"
     )
     with pytest.warns(DeprecationWarning, match=new_form):

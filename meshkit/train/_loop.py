@@ -158,7 +158,7 @@ def fit(
         ``eval_every``, ``per_example_fn``, ``checkpoint_every``, ``keep_checkpoints``,
         ``checkpoint_dir``, ``log_every``, ``progress``, ``writers``,
         ``learning_rate``, ``max_in_flight``, ``profile_steps``), accepted with a
-        ``DeprecationWarning`` until the next release.
+        ``DeprecationWarning`` until meshkit 0.2.0 removes them (CHANGELOG.md).
 
     Raises:
       TypeError: an unknown keyword, or an old keyword beside the object that covers it.

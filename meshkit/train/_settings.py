@@ -340,7 +340,8 @@ def resolve_deprecated(
         if cls is Evaluation and "pipeline" not in fields:
             raise TypeError(f"fit({old}) has no eval_pipeline= to evaluate; pass {new}.")
         warnings.warn(
-            f"fit({old}) is deprecated and will be removed in the next release; pass {new}.",
+            f"fit({old}) is deprecated and will be removed in meshkit 0.2.0 (see CHANGELOG.md); "
+            f"pass {new}.",
             DeprecationWarning,
             stacklevel=3,  # the caller of fit
         )
