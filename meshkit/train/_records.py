@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -89,8 +92,9 @@ class Records:
         self._since = (read.last, now, paused, input_wait)
         self.last = read.means
         self.bar.update(read.last - self.bar.n)
-        if "loss" in read.means:
-            self.bar.set_postfix(loss=f"{read.means['loss']:.4f}", refresh=False)
+        postfix = _bar_losses(read.means)
+        if postfix:
+            self.bar.set_postfix(postfix, refresh=False)
         self.write(read.last, values)
         return values
 
@@ -159,3 +163,31 @@ def _rate_at(learning_rate: LearningRate, step: int) -> float:
     if callable(learning_rate):
         return float(learning_rate(step - 1))
     return float(learning_rate)
+
+
+_MEMBER_LOSS = re.compile(r"^member_\d+/loss$")
+
+
+def _bar_losses(means: dict[str, Any]) -> dict[str, str]:
+    """What the progress bar shows: ``loss``, or for several members (an ensemble, a
+    sweep) the median and the best member's loss, so one diverged member does not hide
+    how the others do.
+
+    Examples:
+        >>> _bar_losses({"loss": 0.5})
+        {'loss': '0.5000'}
+        >>> _bar_losses({"loss": 9.0, "member_0/loss": 0.2, "member_1/loss": float("nan"),
+        ...              "member_2/loss": 0.4})
+        {'median loss': '0.3000', 'best': '0.2000', 'diverged': '1'}
+    """
+    members = [float(v) for k, v in means.items() if _MEMBER_LOSS.match(k)]
+    if not members:
+        return {"loss": f"{means['loss']:.4f}"} if "loss" in means else {}
+    finite = sorted(v for v in members if math.isfinite(v))
+    shown = {}
+    if finite:
+        shown["median loss"] = f"{statistics.median(finite):.4f}"
+        shown["best"] = f"{finite[0]:.4f}"
+    if len(finite) < len(members):
+        shown["diverged"] = str(len(members) - len(finite))
+    return shown
