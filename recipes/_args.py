@@ -19,12 +19,18 @@ def workdir_path(value: str) -> epath.Path:
 
 
 def recipe_parser(
-    doc: str | None, *, workdir: str | None = None, progress: bool = False, resumes: bool = False
+    doc: str | None,
+    *,
+    workdir: str | None = None,
+    progress: bool = False,
+    resumes: bool = False,
+    cpu_devices: bool = True,
 ) -> argparse.ArgumentParser:
     """A parser described by the first line of ``doc``, with the shared options.
 
-    Every recipe gets ``--cpu-devices`` (fake CPU devices per process, from
-    ``JAX_NUM_CPU_DEVICES`` or 8); with ``workdir``, ``--workdir`` defaulting to it;
+    Every recipe that runs on this machine's devices (``cpu_devices``) gets
+    ``--cpu-devices`` (fake CPU devices per process, from ``JAX_NUM_CPU_DEVICES`` or 8);
+    with ``workdir``, ``--workdir`` defaulting to it;
     with ``resumes`` (a training recipe, which resumes the run in its workdir),
     ``--fresh`` (see ``start_run``); with ``progress``, ``--no-progress`` to turn the
     progress bar off.
@@ -44,12 +50,13 @@ def recipe_parser(
             help="start over: delete the checkpoints, records and config of the run in "
             "--workdir first (without it, a rerun resumes that run)",
         )
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
-        help="fake CPU devices per process (only used on the CPU backend)",
-    )
+    if cpu_devices:
+        parser.add_argument(
+            "--cpu-devices",
+            type=int,
+            default=int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")),
+            help="fake CPU devices per process (only used on the CPU backend)",
+        )
     if progress:
         parser.add_argument("--no-progress", action="store_true")
     return parser

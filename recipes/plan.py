@@ -49,7 +49,8 @@ single 16×16 v5e slice; the FSDP sizes each tries, beside tensor parallelism ov
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/plan")
+    # Each target's own count of fake devices: --cpu-devices would have no effect.
+    parser = recipe_parser(__doc__, workdir="workdir/plan", cpu_devices=False)
     parser.add_argument("--params", choices=sorted(SIZES), default="1.3b")
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
     parser.add_argument("--length", type=int, default=2048, help="tokens per sequence")
@@ -57,11 +58,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--remat",
         nargs="+",
-        choices=get_args(RematPolicy),
-        default=["none", "nothing_saveable"],
-        help="remat policies to try",
+        type=remat_names,
+        default=[["none", "nothing_saveable"]],
+        help="remat policies to try, comma-separated as in python -m meshkit.plan "
+        "(spaces work too)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.remat = [name for names in args.remat for name in names]
+    return args
+
+
+def remat_names(text: str) -> list[str]:
+    """``"none,nothing_saveable"`` -> the names, each a ``RematPolicy``."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in get_args(RematPolicy)]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown remat policies {unknown or [text]}; choose among "
+            f"{list(get_args(RematPolicy))}, comma-separated"
+        )
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,3 +150,14 @@ def test_image_input_and_augmentation_settings_that_conflict_are_refused_in_one_
         parse_args(["--input", "resident", "--augment", "host"])
     error = capsys.readouterr().err.strip().splitlines()
     assert "Pass --augment device, or --input host." in error[-1], error
+
+
+@pytest.mark.once
+def test_the_plan_recipe_takes_remat_as_meshkit_plan_does_and_no_cpu_devices(capsys):
+    from recipes.plan import parse_args
+
+    assert parse_args(["--remat", "none,nothing_saveable"]).remat == ["none", "nothing_saveable"]
+    assert parse_args(["--remat", "none", "dots_saveable"]).remat == ["none", "dots_saveable"]
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-devices", "4"])  # each target brings its own device count
+    assert "unrecognized arguments: --cpu-devices 4" in capsys.readouterr().err
