@@ -107,7 +107,8 @@ def write_plan_json(plan: Plan, path: str | os.PathLike[str]) -> Path:
 
 
 def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
-    """A PNG of stacked bytes per device for each layout, beside the chip's capacity.
+    """A PNG of stacked bytes per device for each layout, beside the chip's capacity, the
+    chosen layout outlined and each layout's estimated step time (diamonds, right axis).
 
     Needs matplotlib (``pip install "meshkit[recipes]"``).
     """
@@ -145,10 +146,24 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     capacity = reports[0].capacity_bytes / GiB
     axes.axhline(capacity, color="black", linestyle="--", label="usable per chip")
+    chosen = 0 if reports and reports[0].fits else None
+    if chosen is not None:  # the plan's choice, outlined, with its name above the bar
+        axes.bar(chosen, bottom[chosen], fill=False, edgecolor="black", linewidth=2)
+        axes.annotate("chosen", (chosen, bottom[chosen]), ha="center", va="bottom", fontsize=7)
     axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
     axes.set_ylabel("GiB per device")
     axes.set_title(f"{plan.target.devices} x {plan.target.chip.description}")
-    axes.legend(fontsize=7)
+    times = axes.twinx()  # the estimated step time of every layout the compiler compiled
+    known = [
+        (i, r.estimated_step_seconds) for i, r in enumerate(reports) if not r.measurement.error
+    ]
+    if known:
+        times.plot(*zip(*known, strict=True), "kD", markersize=4, label="step time (right)")
+    times.set_ylabel("estimated seconds per step")
+    times.set_ylim(bottom=0)
+    handles, labels = axes.get_legend_handles_labels()
+    more, more_labels = times.get_legend_handles_labels()
+    axes.legend(handles + more, labels + more_labels, fontsize=7)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
