@@ -162,11 +162,16 @@ def clear_run(workdir: epath.Path, names: tuple[str, ...] = RUN_FILES) -> None:
 
 
 def start_run(
-    args: argparse.Namespace, mesh: Any, *, resuming: bool | None = None, finished: bool = True
+    args: argparse.Namespace,
+    mesh: Any,
+    *,
+    resuming: bool | None = None,
+    finished: bool = True,
+    run_files: tuple[str, ...] = RUN_FILES,
 ) -> None:
     """The start of a training recipe, before anything is built or compiled.
 
-    ``--fresh`` first deletes ``RUN_FILES`` from the workdir. Then ``config.json``
+    ``--fresh`` first deletes ``run_files`` from the workdir. Then ``config.json``
     records the run's arguments: a run already in the workdir (``resuming``: see
     ``write_run_config``) with other settings stops the recipe in one line naming
     each difference, and (``finished``) one whose checkpoints already reached
@@ -177,10 +182,14 @@ def start_run(
     from meshkit import train
 
     if args.fresh:
-        clear_run(args.workdir)
+        clear_run(args.workdir, run_files)
     with setup_errors_in_one_line():
         train.write_run_config(args.workdir, args, mesh, resuming=resuming)
-    done = train.Checkpoints().checkpointer(args.workdir).latest_step() if finished else None
+    done = None
+    if finished:
+        checkpointer = train.Checkpoints().checkpointer(args.workdir)
+        done = checkpointer.latest_step()
+        checkpointer.close()
     if done is not None and done >= args.steps:
         if jax.process_index() == 0:
             print(

@@ -46,7 +46,6 @@ import meshkit
 from recipes._args import (
     RUN_FILES,
     add_input_options,
-    clear_run,
     positive_int,
     recipe_parser,
     setup_errors_in_one_line,
@@ -124,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     space = sweep.Space(
         learning_rate=sweep.log_grid(1e-3, 1e-1, 4), weight_decay=sweep.log_grid(1e-5, 1e-2, 4)
     )
-    if args.fresh:  # the sweep's own files too: its record, results and best member
-        clear_run(args.workdir, (*RUN_FILES, "sweep.json", "results.json", "best", "sweep.png"))
     index, count = args.slice
     points = space.grid()[index::count]
     if not points:
@@ -134,8 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         layout = ensemble.EnsembleLayout(meshkit.make_mesh(args.mesh), len(points))
     except ValueError as error:  # says what was received and how to fix it
         raise SystemExit(f"--mesh {args.mesh}: {error}") from None
-    # A sweep's record is sweep.json: a rerun with other settings stops here, in one line.
-    start_run(args, layout.mesh, resuming=(args.workdir / "sweep.json").exists(), finished=False)
+    # A sweep's record is sweep.json: a rerun with other settings stops here, in one line;
+    # --fresh deletes the sweep's own files too (its record, results and best member).
+    start_run(
+        args,
+        layout.mesh,
+        resuming=(args.workdir / "sweep.json").exists(),
+        finished=False,
+        run_files=(*RUN_FILES, "sweep.json", "results.json", "best", "sweep.png"),
+    )
     train_source, test_source = data.digits("train"), data.digits("test")
     schedule = None
     if args.pbt:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -362,12 +361,7 @@ class TrainPipeline(_Pipeline):
         """Every example of the source, field by field (for resident data); a
         deterministic transform runs here, once per example."""
         if self.transform is not None:
-            return read_all(
-                self._source_length,
-                self._placed_example,
-                threads=os.cpu_count() or 1,
-                what=repr(self.source),
-            )
+            return read_all(self._source_length, self._placed_example, what=repr(self.source))
         arrays = getattr(self.source, "arrays", None)
         if isinstance(arrays, dict):
             return arrays
@@ -595,9 +589,7 @@ class EvalPipeline(_Pipeline):
         if not self.resident:
             return {}
         self._check_source_length()
-        arrays = read_all(
-            self.num_examples, self._record, threads=os.cpu_count() or 1, what=repr(self.source)
-        )
+        arrays = read_all(self.num_examples, self._record, what=repr(self.source))
         return place_eval_batches(arrays, self.sharding, self.global_batch_size)
 
     @functools.cached_property

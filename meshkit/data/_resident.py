@@ -229,12 +229,12 @@ def read_all(
     num_examples: int,
     read: Callable[[int], Mapping[str, Any]],
     *,
-    threads: int,
     what: str,
+    threads: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Every example ``read(i)`` (``i < num_examples``), stacked field by field into
-    arrays allocated once; ``threads`` read at once (decoders release the GIL), with a
-    progress bar on process 0 for large datasets.
+    arrays allocated once; ``threads`` (default: one per core) read at once (decoders
+    release the GIL), with a progress bar on process 0 for large datasets.
 
     Raises:
       ValueError: an example's field has another shape than example 0's (images of
@@ -267,7 +267,8 @@ def read_all(
         disable=num_examples < _PROGRESS_FROM or jax.process_index() != 0,
         leave=False,
     )
-    with bar, concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    workers = threads if threads is not None else os.cpu_count() or 1
+    with bar, concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
         for done in pool.map(lambda span: fill(*span), spans):
             bar.update(done)
     return out
