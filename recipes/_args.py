@@ -146,17 +146,18 @@ RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "summary.json")
 
 
 def clear_run(workdir: epath.Path, names: tuple[str, ...] = RUN_FILES) -> None:
-    """``--fresh``: deletes ``names`` from ``workdir`` (on process 0; every process waits)."""
+    """``--fresh``: deletes ``names`` (or glob patterns, ``stage_*``) from ``workdir`` (on
+    process 0; every process waits)."""
     import jax
     from jax.experimental import multihost_utils
 
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and workdir.exists():
         for name in names:
-            path = workdir / name
-            if path.is_dir():
-                path.rmtree()
-            elif path.exists():
-                path.unlink()
+            for path in workdir.glob(name):
+                if path.is_dir():
+                    path.rmtree()
+                else:
+                    path.unlink()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("meshkit --fresh")
 

@@ -132,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # says what was received and how to fix it
         raise SystemExit(f"--mesh {args.mesh}: {error}") from None
     # A sweep's record is sweep.json: a rerun with other settings stops here, in one line;
-    # --fresh deletes the sweep's own files too (its record, results and best member).
+    # --fresh deletes the sweep's own files too (its record, stages, results and best).
     start_run(
         args,
         layout.mesh,
         resuming=(args.workdir / "sweep.json").exists(),
         finished=False,
-        run_files=(*RUN_FILES, "sweep.json", "results.json", "best", "sweep.png"),
+        run_files=(*RUN_FILES, "sweep.json", "stage_*", "results.json", "best", "sweep.png"),
     )
     train_source, test_source = data.digits("train"), data.digits("test")
     schedule = None
