@@ -495,3 +495,128 @@ def test_bad_sweeps_are_explained(tmp_path: Path):
     grid_run([{"learning_rate": 0.1}, {"learning_rate": 0.2}], tmp_path / "run")
     with pytest.raises(ValueError, match=r"holds a sweep with other \['points'\].*new workdir"):
         grid_run([{"learning_rate": 0.1}, {"learning_rate": 0.3}], tmp_path / "run")
+
+
+POISONED_FROM = 15  # a member whose ``poison`` is 1 gives a NaN loss from its 16th step on
+
+
+def poisoned_loss(params, state, batch, rng):
+    """Cross-entropy, NaN from step ``POISONED_FROM + 1`` for a member whose ``poison`` is 1
+    (its gradients stay finite: the member must be frozen for its loss alone)."""
+    logits, collections = train.apply_model(state, batch["image"], params=params, rng=rng)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    poisoned = (sweep.hyperparameter(state, "poison") > 0) & (state.step >= POISONED_FROM)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    return loss + jnp.where(poisoned, jnp.nan, 0.0), ensemble.MemberOutput(
+        collections, {"accuracy": accuracy}, logits
+    )
+
+
+def poison_run(
+    poison: list[float], workdir: Path, num_steps: int = 20, **kwargs
+) -> sweep.SweepResult:
+    points = [
+        {"learning_rate": 0.01, "poison": value, "init_seed": seed}
+        for value, seed in zip(poison, (3, 4), strict=True)
+    ]
+    layout = layout_for(len(points))
+    return sweep.run_sweep(
+        tiny_model(),
+        adamw(),
+        poisoned_loss,
+        layout,
+        points,
+        pipeline=sweep.sweep_pipeline(
+            data.digits("train"), points, layout, global_batch_size=BATCH
+        ),
+        eval_pipeline=eval_pipeline(layout),
+        num_steps=num_steps,
+        workdir=workdir,
+        loss_values=("poison",),
+        logging=train.Logging(every=1, progress=False),
+        **kwargs,
+    )
+
+
+@pytest.mark.once
+def test_a_member_that_diverges_is_frozen_and_the_sweep_goes_on(tmp_path: Path, capsys):
+    poisoned = poison_run([0.0, 1.0], tmp_path / "poisoned")
+    healthy, trial = poisoned.trials
+    assert (healthy.status, trial.status, trial.end) == ("finished", "diverged", 16)
+    assert "step 16: slot 1 (trial 1) diverged" in capsys.readouterr().out
+    assert "diverged at 16" in poisoned.table()
+    saved = json.loads((tmp_path / "poisoned" / "results.json").read_text())
+    assert [(t["trial"], t["status"], t["end"]) for t in saved["trials"]] == [
+        (0, "finished", 20),
+        (1, "diverged", 16),
+    ]
+    assert poisoned.best.id == 0
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "poisoned" / "stage_0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["diverged"] for r in records if "diverged" in r] == [0.0] * 15 + [1.0] * 5
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+
+    # The healthy member trained exactly as without the other's NaNs; the diverged one
+    # kept the parameters of its last finite step.
+    clean = poison_run([0.0, 0.0], tmp_path / "clean")
+    before = poison_run([0.0, 0.0], tmp_path / "before", num_steps=POISONED_FROM)
+    assert clean.trials[0].score() == healthy.score()
+    got = meshkit.to_host(poisoned.state.params)
+    for leaf, clean_leaf, before_leaf in zip(
+        jax.tree.leaves(got),
+        jax.tree.leaves(meshkit.to_host(clean.state.params)),
+        jax.tree.leaves(meshkit.to_host(before.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(leaf[0], clean_leaf[0])
+        np.testing.assert_array_equal(leaf[1], before_leaf[1])
+
+    # Population-based training gives the diverged slot a copy of a better member.
+    pbt = poison_run(
+        [0.0, 1.0],
+        tmp_path / "pbt",
+        schedule=sweep.PopulationBasedTraining(every=POISONED_FROM + 1, quantile=0.5),
+    )
+    assert [(t.id, t.status, t.end, t.parent) for t in pbt.trials] == [
+        (0, "finished", 20, None),
+        (1, "diverged", 16, None),
+        (2, "finished", 20, 0),
+    ]
+
+    with pytest.raises(train.NonFiniteLossError, match=r"Every member of the sweep diverged \("
+                       r"trials \[0, 1\], in stage_0\)\. Training stopped at step 16"):  # fmt: skip
+        poison_run([1.0, 1.0], tmp_path / "all")
+
+
+@pytest.mark.once
+def test_pbt_replaces_a_diverged_member_and_halving_skips_it():
+    """A diverged trial's last finite score is history: decisions rank it last."""
+    trials = [sweep.Trial(k, k, {"learning_rate": 0.1}, None, 0) for k in range(4)]
+    for trial, score in zip(trials, [0.9, 0.5, 0.2, 0.8], strict=True):
+        trial.record(10, score, {})
+    trials[0].diverge(12)  # the best so far, then NaN
+    scores = np.array([math.nan if t.diverged else t.score() for t in trials])
+    points = check_points([t.point for t in trials])
+    pbt = pbt_decision(
+        sweep.PopulationBasedTraining(every=10),
+        step=20,
+        scores=scores,
+        points=points,
+        mode="max",
+        space=None,
+        seed=0,
+    )
+    assert pbt.changed == (0,) and int(pbt.source[0]) != 0  # the diverged slot copies a donor
+    halving = halving_decision(
+        sweep.SuccessiveHalving(rungs=(20,)),
+        step=20,
+        scores=scores,
+        active=np.array([False, True, True, True]),
+        points=points,
+        mode="max",
+        space=None,
+        seed=0,
+    )
+    assert halving.active.tolist() == [False, True, False, True]

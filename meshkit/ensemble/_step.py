@@ -153,6 +153,8 @@ def _body(
     member_batches: bool,
     strategy: Literal["vmap", "loop"],
     microbatches: int,
+    *,
+    members_may_diverge: bool = False,
 ) -> Callable[..., tuple[TrainState, Metrics, Metrics]]:
     """The per-device step: ``(members, batch) -> (members, [K] metrics, ensemble metrics)``.
 
@@ -162,7 +164,9 @@ def _body(
     the device's members. Collectives: one ``pmean`` over the data axis (every
     member's gradients, metrics and batch statistics together), one ``psum`` over the
     ensemble axis (metrics and probabilities together) and, with D > 1, one ``pmean``
-    of the ensemble metrics.
+    of the ensemble metrics. With ``members_may_diverge``, a member whose loss is not
+    finite gets non-finite gradients, so a sweep's optimizer (which freezes a member on
+    non-finite gradients) freezes it even when its loss went NaN on its own.
     """
     member_axis_of_batch = 1 if member_batches else None  # [rows, members, ...] or shared
 
@@ -183,6 +187,8 @@ def _body(
             grads_M = grads_M._replace(output=grads_M.output._replace(logits=None))
         if layout.batch_axis is not None:
             grads_M = _pmean_floats(grads_M, layout.batch_axis)
+        if members_may_diverge:
+            grads_M = _mark_non_finite_losses(grads_M)
         state, metrics_M = jax.vmap(apply_update)(state, grads_M)
         if member_batches or "label" not in batch:
             logits_MxBxC = None  # members on different rows: no ensemble prediction
@@ -200,17 +206,46 @@ def _body(
     return body
 
 
-def _metrics(metrics_K: Metrics, ensemble_metrics: Metrics, member_metrics: bool) -> Metrics:
+def _mark_non_finite_losses(grads_M: Gradients) -> Gradients:
+    """Each member's gradients, NaN where its loss is not finite (``[M]`` members)."""
+    bad_M = ~jnp.isfinite(grads_M.loss)
+
+    def marked(grad: jax.Array) -> jax.Array:
+        return jnp.where(bad_M.reshape(bad_M.shape + (1,) * (grad.ndim - 1)), jnp.nan, grad)
+
+    return grads_M._replace(grads=jax.tree.map(marked, grads_M.grads))
+
+
+def _metrics(
+    metrics_K: Metrics, ensemble_metrics: Metrics, member_metrics: bool, members_may_diverge: bool
+) -> Metrics:
     """The step's scalars, from every member's metrics.
 
     ``loss`` is the members' mean, ``grad_norm`` the norm of all members' gradients
     together, and with float16 ``skipped`` the fraction of members whose step was skipped.
+    With ``members_may_diverge`` (a sweep, whose optimizer freezes a member whose
+    gradients stop being finite) ``loss`` and ``grad_norm`` are over the members whose
+    values are finite, so ``fit`` stops only when none is, and ``diverged`` counts the
+    others.
     """
-    metrics = {
-        "loss": metrics_K["loss"].mean(),
-        "grad_norm": jnp.sqrt(jnp.sum(metrics_K["grad_norm"] ** 2)),
-        **ensemble_metrics,
-    }
+    loss_K, grad_norm_K = metrics_K["loss"], metrics_K["grad_norm"]
+    if members_may_diverge:
+        finite_K = jnp.isfinite(loss_K) & jnp.isfinite(grad_norm_K)
+        count = jnp.sum(finite_K)
+        loss = jnp.where(count > 0, jnp.sum(jnp.where(finite_K, loss_K, 0.0)) / count, jnp.nan)
+        squares = jnp.sum(jnp.where(finite_K, grad_norm_K, 0.0) ** 2)
+        metrics = {
+            "loss": loss,
+            "grad_norm": jnp.where(count > 0, jnp.sqrt(squares), jnp.nan),
+            "diverged": jnp.sum(~finite_K).astype(jnp.float32),
+            **ensemble_metrics,
+        }
+    else:
+        metrics = {
+            "loss": loss_K.mean(),
+            "grad_norm": jnp.sqrt(jnp.sum(grad_norm_K**2)),
+            **ensemble_metrics,
+        }
     if "skipped" in metrics_K:
         metrics["skipped"] = metrics_K["skipped"].mean()
     if not member_metrics:
@@ -334,13 +369,44 @@ def make_ensemble_step(
         >>> ensemble.per_member(meshkit.to_host(metrics), "accuracy").shape
         (2,)
     """
+    return ensemble_step(
+        loss_fn,
+        layout,
+        member_batches=member_batches,
+        member_metrics=member_metrics,
+        donate=donate,
+        strategy=strategy,
+        microbatches=microbatches,
+        members_may_diverge=False,
+    )
+
+
+def ensemble_step(
+    loss_fn: MemberLossFn,
+    layout: EnsembleLayout,
+    *,
+    member_batches: bool,
+    member_metrics: bool,
+    donate: bool,
+    strategy: MemberStrategy,
+    microbatches: int,
+    members_may_diverge: bool,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """``make_ensemble_step``, and for sweeps ``members_may_diverge`` (see ``_metrics``)."""
     resolved = resolve_strategy(strategy, layout)
     check_int(microbatches, name="microbatches", minimum=1)
     batch_spec = layout.batch_spec
     if member_batches:
         batch_spec = PartitionSpec(layout.batch_axis, layout.ensemble_axis)
     mapped = jax.shard_map(
-        _body(loss_fn, layout, member_batches, resolved, microbatches),
+        _body(
+            loss_fn,
+            layout,
+            member_batches,
+            resolved,
+            microbatches,
+            members_may_diverge=members_may_diverge,
+        ),
         mesh=layout.mesh,
         in_specs=(layout.member_spec, batch_spec),
         out_specs=(layout.member_spec, PartitionSpec(), PartitionSpec()),
@@ -349,7 +415,7 @@ def make_ensemble_step(
     def ensemble_train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _check_inputs(state, batch, layout, member_batches, microbatches)
         state, metrics_K, ensemble_metrics = mapped(state, dict(batch))
-        return state, _metrics(metrics_K, ensemble_metrics, member_metrics)
+        return state, _metrics(metrics_K, ensemble_metrics, member_metrics, members_may_diverge)
 
     replicated = replicated_sharding(layout.mesh)
     return jax.jit(

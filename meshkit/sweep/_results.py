@@ -50,8 +50,10 @@ class Trial:
       parent: the trial it copied its state from (population-based training), or ``None``.
       start: the step it began at.
       end: the step it ended at, or ``None`` while it trains.
-      status: ``"training"``, ``"finished"``, ``"stopped"`` (halving froze it) or
-        ``"replaced"`` (its slot went to another trial).
+      status: ``"training"``, ``"finished"``, ``"stopped"`` (halving froze it),
+        ``"diverged"`` (its loss or gradients stopped being finite at step ``end``; it
+        was frozen and keeps the scores it had) or ``"replaced"`` (its slot went to
+        another trial).
       history: its score at each evaluation, ``(step, score)`` (a copy inherits its
         parent's).
       metrics: its member metrics at its last evaluation.
@@ -82,6 +84,17 @@ class Trial:
 
     def replace(self, step: int) -> None:
         self.end, self.status = step, "replaced"
+
+    def diverge(self, step: int) -> None:
+        self.end, self.status = step, "diverged"
+
+    @property
+    def diverged(self) -> bool:
+        return self.status == "diverged"
+
+    def status_text(self) -> str:
+        """Its status, with the step for a diverged trial (``"diverged at 16"``)."""
+        return f"diverged at {self.end}" if self.diverged else self.status
 
 
 @dataclasses.dataclass
@@ -219,7 +232,7 @@ class SweepResult:
                 str(t.id),
                 *([("-" if t.parent is None else str(t.parent))] if lineage else []),
                 str(t.slot),
-                t.status,
+                t.status_text(),
                 f"{t.score():.4f}",
                 *(f"{t.point[n]:.4g}" for n in names),
             ]

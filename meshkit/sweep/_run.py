@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from meshkit._host import to_host
 from meshkit._paths import PathLike, as_path, write_text_atomically
 from meshkit._types import PerExampleFn
 from meshkit.data import EvalPipeline, TrainPipeline
@@ -22,9 +24,9 @@ from meshkit.ensemble import (
     MemberLossFn,
     MemberTrainPipeline,
     ensemble_metrics,
-    make_ensemble_step,
     per_member,
 )
+from meshkit.ensemble._step import ensemble_step
 from meshkit.ensemble._strategy import MemberStrategy
 from meshkit.evaluate import full_eval
 from meshkit.sweep._results import SweepResult, Trial
@@ -36,13 +38,14 @@ from meshkit.sweep._state import (
     init_members,
     value_arrays,
 )
-from meshkit.sweep._values import set_hyperparameters
+from meshkit.sweep._values import diverged_steps, set_hyperparameters
 from meshkit.train import (
     Checkpoints,
     Dispatch,
     Evaluation,
     Logging,
     Model,
+    NonFiniteLossError,
     Precision,
     TrainState,
     fit,
@@ -80,12 +83,15 @@ def _step(
     microbatches: int,
     strategy: MemberStrategy,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
-    return make_ensemble_step(
+    return ensemble_step(
         loss_fn,
         layout,
         member_batches=member_batches,
-        microbatches=microbatches,
+        member_metrics=True,
+        donate=True,
         strategy=strategy,
+        microbatches=microbatches,
+        members_may_diverge=True,
     )
 
 
@@ -244,6 +250,12 @@ def run_sweep(
     evaluation = (
         None if eval_every is None else Evaluation(eval_pipeline, eval_every, per_example_fn)
     )
+    stage_settings = {
+        "evaluation": evaluation,
+        "checkpoints": checkpoints,
+        "logging": logging,
+        "dispatch": dispatch,
+    }
     ends = (*(() if schedule is None else schedule.boundaries(num_steps)), num_steps)
 
     trials = [Trial(k, k, dict(p), None, 0) for k, p in enumerate(checked)]
@@ -253,18 +265,9 @@ def run_sweep(
     compiles, began, start = 0, time.perf_counter(), 0
     input_path = ""  # how the stages fed and dispatched their steps (the last stage's)
     for index, end in enumerate(ends):
-        result = fit(
-            state,
-            step,
-            pipeline,
-            num_steps=end,
-            workdir=workdir / f"stage_{index}",
-            start_step=start,
-            evaluation=evaluation,
-            checkpoints=checkpoints,
-            logging=logging,
-            dispatch=dispatch,
-        )
+        stage = {**stage_settings, "workdir": workdir / f"stage_{index}", "start_step": start}
+        training = [slots[s] for s in np.flatnonzero(active)]
+        result = _fit_stage(state, step, pipeline, end, settings=stage, training=training)
         compiles += result.train_step_compiles
         input_path = f"{result.input_path}, {result.dispatch}"
         state = result.state
@@ -281,6 +284,7 @@ def run_sweep(
                 interrupted=True,
                 input_path=input_path,
             )
+        _freeze_diverged(state, trials, slots, active, end=end, metric=metric)
         measured = full_eval(per_example_fn, state, eval_pipeline).metrics
         scores = per_member(measured, metric)
         for slot, trial_id in enumerate(slots):
@@ -288,7 +292,10 @@ def run_sweep(
                 trials[trial_id].record(end, float(scores[slot]), _member_metrics(measured, slot))
         if end == num_steps:
             break
-        scored = np.array([trials[t].score() for t in slots], np.float64)
+        # A diverged member ranks last (its last finite score is history, not its state).
+        scored = np.array(
+            [math.nan if trials[t].diverged else trials[t].score() for t in slots], np.float64
+        )
         decision = decide(
             schedule,
             step=end,
@@ -314,7 +321,9 @@ def run_sweep(
                 decision, trials, old_slots, slots, step=end, metric=metric
             ):
                 tqdm.write(line)
-        current, active, start = list(decision.points), decision.active.copy(), end
+        current, start = list(decision.points), end
+        # A diverged trial stays frozen in its slot until a schedule gives the slot another.
+        active = decision.active & np.array([trials[t].status == "training" for t in slots])
     for slot, trial_id in enumerate(slots):
         if active[slot]:
             trials[trial_id].finish(num_steps)
@@ -364,13 +373,15 @@ def describe_decision(
     lines = []
     for slot in decision.changed:
         old, new = trials[before[slot]], trials[after[slot]]
-        where = f"step {step}: slot {slot} (trial {old.id}, {metric} {old.score():.4f})"
+        state = f"diverged at {old.end}" if old.diverged else f"{metric} {old.score():.4f}"
+        where = f"step {step}: slot {slot} (trial {old.id}, {state})"
         if new.parent is None:
             values = _changes(old.point, new.point) or "the same values"
             lines.append(f"{where} restarts as trial {new.id}: {values}")
         else:  # a copy: its values against its donor's (perturbed, or kept)
             donor = trials[new.parent]
-            values = _changes(donor.point, new.point) or "its values as they are"
+            kept = {k: v for k, v in new.point.items() if k not in SEED_NAMES}  # the slot's
+            values = _changes(donor.point, kept) or "its values as they are"
             lines.append(
                 f"{where} copies trial {donor.id} ({donor.score():.4f}) as trial {new.id}: {values}"
             )
@@ -380,6 +391,65 @@ def describe_decision(
             lines.append(f"step {step}: slot {slot} (trial {trial.id}, {metric} "
                          f"{trial.score():.4f}) stops")  # fmt: skip
     return lines
+
+
+def _fit_stage(
+    state: TrainState,
+    step: Callable[..., Any],
+    pipeline: TrainPipeline,
+    end: int,
+    *,
+    settings: Mapping[str, Any],
+    training: list[int],
+) -> Any:
+    """One stage's ``fit`` to step ``end``; ``training``: the trials training in it."""
+    try:
+        return fit(state, step, pipeline, num_steps=end, **settings)
+    except NonFiniteLossError as error:  # no member's loss was finite any more
+        stage = as_path(settings["workdir"]).name
+        raise NonFiniteLossError(
+            f"Every member of the sweep diverged (trials {training}, in {stage}). {error}"
+        ) from None
+
+
+def _freeze_diverged(
+    state: TrainState,
+    trials: list[Trial],
+    slots: list[int],
+    active: np.ndarray,
+    *,
+    end: int,
+    metric: str,
+) -> None:
+    """Marks each training member that diverged by ``end`` as diverged (inactive from
+    here on, in ``active``), printing a line for each; stops the sweep when none trains."""
+    counts = diverged_steps(state.opt_state)
+    if counts is None:
+        return
+    counts = np.asarray(to_host(counts))
+    diverged = np.flatnonzero(active & (counts > 0))
+    for slot in diverged:
+        trial = trials[slots[slot]]
+        trial.diverge(end - int(counts[slot]) + 1)
+        active[slot] = False
+        if jax.process_index() == 0:
+            tqdm.write(describe_divergence(trial, metric))
+    if diverged.size and not active.any():
+        raise NonFiniteLossError(
+            "Every trial of the sweep still training diverged: "
+            + "; ".join(f"trial {t.id} at step {t.end}" for t in trials if t.diverged)
+            + ". Lower the learning rates (or the range they are drawn from), or add "
+            "gradient clipping to the optimizer."
+        )
+
+
+def describe_divergence(trial: Trial, metric: str) -> str:
+    """The line a sweep prints when a member's trial diverged (and is frozen)."""
+    last = "no evaluation yet" if not trial.history else f"{metric} {trial.score():.4f}"
+    return (
+        f"step {trial.end}: slot {trial.slot} (trial {trial.id}) diverged: its loss or "
+        f"gradients were not finite; it is frozen, the others train on (last: {last})"
+    )
 
 
 def _changes(before: Mapping[str, Value], after: Mapping[str, Value]) -> str:
@@ -405,7 +475,8 @@ def _apply(
         trials[slots[slot]].stop(step)
     for slot in decision.changed:
         old = trials[slots[slot]]
-        old.replace(step)
+        if not old.diverged:  # a diverged trial keeps its status and step
+            old.replace(step)
         donor = int(decision.source[slot])
         parent = None if decision.refresh[slot] else slots[donor]
         trial = Trial(len(trials), slot, dict(decision.points[slot]), parent, step)

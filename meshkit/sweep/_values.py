@@ -3,8 +3,9 @@
 Optimizer hyperparameters are those of ``optax.inject_hyperparams``, kept in the
 optimizer state. Scalars the loss reads (label smoothing, an L2 coefficient) are kept
 beside them by ``with_sweep_values``, which also carries the member's ``active`` flag
-(a stopped member keeps its parameters and optimizer state). As arrays on the member
-axis, new values never recompile the step.
+(a stopped member keeps its parameters and optimizer state) and its divergence count
+(a member whose gradients stop being finite is frozen the same way, for good). As
+arrays on the member axis, new values never recompile the step.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ _INJECT_STATES = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsS
 
 
 class SweepValues(NamedTuple):
-    """The optimizer state of ``with_sweep_values``: the inner state, the loss's values, a flag."""
+    """The optimizer state of ``with_sweep_values``.
+
+    Attributes:
+      inner: the wrapped optimizer's state.
+      values: the loss's hyperparameters.
+      active: whether the member trains (``False``: halving stopped it).
+      diverged_steps: ``0`` while the member's gradients have been finite; from the
+        first update whose gradients were not, the number of updates since, that one
+        included (the member diverged ``diverged_steps - 1`` steps before the latest).
+    """
 
     inner: Any
     values: dict[str, jax.Array]
     active: jax.Array
+    diverged_steps: jax.Array
 
 
 def with_sweep_values(
@@ -34,8 +45,13 @@ def with_sweep_values(
     """``tx``, carrying the loss's hyperparameters ``values`` and an ``active`` flag.
 
     The updates are ``tx``'s while ``active`` is true; a member that is not active gets
-    zero updates and keeps its optimizer state (a sweep's stopped member).
-    ``hyperparameter(state, name)`` reads the values inside a loss function.
+    zero updates and keeps its optimizer state (a sweep's stopped member). An active
+    member whose gradients are not all finite (its loss went NaN or infinite) is frozen
+    the same way from that update on, and counts the updates since in
+    ``diverged_steps``; the other members of the step are not touched. (With float16
+    loss scaling the train step skips an overflowing update before this sees it, so an
+    overflow does not count as divergence.) ``hyperparameter(state, name)`` reads the
+    values inside a loss function.
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -46,6 +62,9 @@ def with_sweep_values(
         >>> updates, _ = tx.update({"w": jnp.ones(2)}, state._replace(active=jnp.array(False)))
         >>> updates["w"].tolist()
         [0.0, 0.0]
+        >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state)
+        >>> updates["w"].tolist(), int(state.diverged_steps)
+        ([0.0, 0.0], 1)
     """
     defaults = {name: float(value) for name, value in values.items()}
 
@@ -54,14 +73,20 @@ def with_sweep_values(
             tx.init(params),
             {name: jnp.asarray(value, jnp.float32) for name, value in defaults.items()},
             jnp.asarray(True),
+            jnp.asarray(0, jnp.int32),
         )
 
     def update(updates: Any, state: SweepValues, params: Any = None) -> tuple[Any, SweepValues]:
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+        was_diverged = state.diverged_steps > 0
+        diverged_steps = jnp.where(
+            was_diverged | (state.active & ~finite), state.diverged_steps + 1, 0
+        ).astype(jnp.int32)
+        trains = state.active & (diverged_steps == 0)
         new_updates, inner = tx.update(updates, state.inner, params)
-        active = state.active
-        new_updates = jax.tree.map(lambda u: jnp.where(active, u, jnp.zeros_like(u)), new_updates)
-        inner = jax.tree.map(lambda new, old: jnp.where(active, new, old), inner, state.inner)
-        return new_updates, state._replace(inner=inner)
+        new_updates = jax.tree.map(lambda u: jnp.where(trains, u, jnp.zeros_like(u)), new_updates)
+        inner = jax.tree.map(lambda new, old: jnp.where(trains, new, old), inner, state.inner)
+        return new_updates, state._replace(inner=inner, diverged_steps=diverged_steps)
 
     return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]
 
@@ -85,6 +110,17 @@ def optimizer_hyperparameters(opt_state: Any) -> dict[str, Any]:
 
     jax.tree.map(visit, opt_state, is_leaf=_is_holder)
     return found
+
+
+def diverged_steps(opt_state: Any) -> jax.Array | None:
+    """The ``diverged_steps`` of ``with_sweep_values`` in ``opt_state`` (``[K]`` for a
+    sweep's members), or ``None`` when it holds none."""
+    found = [
+        node.diverged_steps
+        for node in jax.tree.leaves(opt_state, is_leaf=_is_holder)
+        if isinstance(node, SweepValues)
+    ]
+    return found[0] if found else None
 
 
 def set_hyperparameters(
