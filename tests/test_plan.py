@@ -511,6 +511,36 @@ def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_expla
     )
 
 
+@pytest.mark.once
+def test_more_devices_than_xla_cpu_compiles_for_ends_in_one_line_naming_the_way_out() -> None:
+    from meshkit.plan import _cli
+
+    args = _cli.parser().parse_args(["--devices", "4096", "--batch-size", "4096", "--quiet"])
+    with pytest.raises(SystemExit) as stop:  # before a device is counted or a layout traced
+        _cli.run(args)
+    text = str(stop.value.code)
+    assert "XLA:CPU compiles for at most 2048 devices" in text and "\n" not in text, text
+    assert "--compiler tpu" in text and "Layout.scaled_to" in text
+
+
+@pytest.mark.once
+def test_an_idle_axis_of_a_model_with_logical_names_is_blamed_on_divisibility() -> None:
+    from types import SimpleNamespace
+
+    from meshkit.plan._planner import layout_rules
+    from meshkit.plan._report import _idle
+
+    rules = layout_rules(fsdp=True, tensor=False, logical=True)
+    layout = planning.Layout({"data": 2, "fsdp": 512, "model": 1}, rules=rules)
+    text = _idle(SimpleNamespace(layout=layout, idle_axes=("fsdp",)))
+    assert "no dimension named embed divides evenly by its size" in text, text
+    plain = planning.Layout({"data": 2, "fsdp": 512}, rules=layout_rules(
+        fsdp=True, tensor=False, logical=False))  # fmt: skip
+    assert "carry no logical axis names" in _idle(
+        SimpleNamespace(layout=plain, idle_axes=("fsdp",))
+    )
+
+
 @pytest.mark.once(8)
 def test_a_model_axis_that_shards_nothing_is_marked_and_ranked_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
     layouts = [

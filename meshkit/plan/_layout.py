@@ -211,6 +211,10 @@ class Target:
         return accelerator(self.accelerator)
 
 
+XLA_CPU_MAX_DEVICES = 2048
+"""The most devices one XLA:CPU program may span (2049 fails to compile, jax 0.10.2)."""
+
+
 def target_devices(target: Target) -> list[Any]:
     """Devices that stand in for the target's chips, in slice order.
 
@@ -221,6 +225,15 @@ def target_devices(target: Target) -> list[Any]:
     """
     if target.compiler == "tpu":
         return _tpu_devices(target)
+    if target.devices > XLA_CPU_MAX_DEVICES:
+        raise ValueError(
+            f"XLA:CPU compiles for at most {XLA_CPU_MAX_DEVICES} devices (above that it "
+            f'says "Multiprocess computations aren\'t implemented"), and the target has '
+            f"{target.devices}. Plan with the TPU compiler (--compiler tpu --topology ..., "
+            f'pip install "meshkit[tpu]"), or plan {XLA_CPU_MAX_DEVICES} or fewer devices '
+            "and scale the chosen layout up (Layout.scaled_to; recipes.transformer_lm "
+            "--scale-to-devices)."
+        )
     devices = jax.devices("cpu")
     if len(devices) < target.devices:
         raise RuntimeError(

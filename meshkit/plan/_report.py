@@ -51,6 +51,10 @@ def plan_table(plan: Plan) -> str:
     return "\n".join(lines + notes)
 
 
+ACTIVATION_NAMES = ("batch", "length")
+"""Logical names of activations' dimensions, which no parameter has."""
+
+
 def _idle(m: Any) -> str:
     """Why a layout's model or FSDP axis is idle, and how to put it to work."""
     sizes = m.layout.axis_sizes
@@ -61,6 +65,20 @@ def _idle(m: Any) -> str:
         if wasted
         else "it is only more data parallelism"
     )
+    rules = m.layout.rules
+    table = {} if rules is None or rules.logical is None else dict(rules.logical)
+    names = sorted(
+        name
+        for name, axes in table.items()
+        if name not in ACTIVATION_NAMES
+        and set(m.idle_axes) & set((axes,) if isinstance(axes, str) else axes or ())
+    )
+    if names:  # the rules map logical names to the axis, but no dimension divides
+        return (
+            f"{named} shards no parameter, so {effect}: no dimension named "
+            f"{' or '.join(names)} divides evenly by its size (such a dimension is left "
+            "unsharded); choose a size that divides them"
+        )
     return (
         f"{named} shards no parameter, so {effect}; the model's parameters carry no logical "
         "axis names for it: annotate them (nn.with_logical_partitioning, as meshkit.models "
