@@ -230,7 +230,7 @@ class LocalProcesses:
         deadline = None if timeout is None else time.monotonic() + timeout
         first_failure: tuple[int, int] | None = None  # (rank, code)
         stop_at = None
-        terminated = False
+        terminated = stop_killed = False
         while True:
             codes = self._watchdog.poll(self.processes)
             if first_failure is None:
@@ -245,13 +245,17 @@ class LocalProcesses:
             if all(code is not None for code in codes):
                 break
             now = time.monotonic()
-            if self.stop_requested is not None and now > self.stop_requested + stop_grace:
+            if (
+                self.stop_requested is not None
+                and not stop_killed
+                and now > self.stop_requested + stop_grace
+            ):
                 running = [str(rank) for rank, code in enumerate(codes) if code is None]
                 self._note(
                     f"process(es) {', '.join(running)} did not exit within {stop_grace:.0f} s "
                     "of the stop request (--stop-grace); killing them (SIGKILL)"
                 )
-                self.stop_requested = None
+                stop_killed = True  # the launcher's own SIGKILL: not one to explain later
                 self.signal(signal.SIGKILL)
             if deadline is not None and now > deadline:
                 self._note(f"--timeout of {timeout:.0f} s passed; killing every process")
