@@ -184,6 +184,16 @@ def test_profile_steps_write_a_trace(tmp_path):
         train.Dispatch(profile_steps=3)  # pyright: ignore[reportArgumentType]
 
 
+def test_profile_steps_outside_the_run_are_said_before_it_trains(tmp_path):
+    with pytest.warns(UserWarning, match=r"asks for steps 10-14, but this run trains steps "
+                      r"1-5: no profile will be written"):  # fmt: skip
+        run_fit(tmp_path / "none", num_steps=5, dispatch=train.Dispatch(profile_steps=(10, 5)))
+    assert not (tmp_path / "none" / "profile").exists()
+    with pytest.warns(UserWarning, match=r"only steps 4-6 will be traced"):
+        run_fit(tmp_path / "part", num_steps=6, dispatch=train.Dispatch(profile_steps=(4, 5)))
+    assert list((tmp_path / "part" / "profile" / "process_0").rglob("*.xplane.pb"))
+
+
 def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
     calls = []
 

@@ -223,6 +223,7 @@ def fit(
     start = 0 if data_state is None else int(data_state["step"])
     records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)
     profiler = StepProfiler(settings.dispatch.profile_steps, workdir / "profile")
+    profiler.check_run(start, num_steps)
     runner = _runner(train_step, pipeline, data_state, mesh, settings)
     sizes = ChunkSizes(
         settings.dispatch.steps_per_dispatch if runner.chunked else 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -26,6 +27,20 @@ class StepProfiler:
             self.first, self.last = first, first + count - 1
         self.directory = directory / f"process_{jax.process_index()}"
         self.active = False
+
+    def check_run(self, start: int, num_steps: int) -> None:
+        """Warns, once, when the traced steps are not all among this run's ``start + 1 ..
+        num_steps`` (a trace of none of them is never written)."""
+        if not self.first or (start < self.first and self.last <= num_steps):
+            return
+        asked = f"profile_steps asks for steps {self.first}-{self.last}"
+        run = f"this run trains steps {start + 1}-{num_steps}"
+        if self.first > num_steps or self.last <= start:
+            said = f"{asked}, but {run}: no profile will be written. Choose steps in that range."
+        else:
+            shown = f"{max(self.first, start + 1)}-{min(self.last, num_steps)}"
+            said = f"{asked}, but {run}: only steps {shown} will be traced."
+        warnings.warn(said, stacklevel=3)
 
     def before(self, step: int, last: int | None = None) -> None:
         """Starts the trace before the dispatch of steps ``step .. last`` (``last``:
