@@ -304,7 +304,7 @@ class Checkpointer:
                 step=newest.step,
                 folder=newest.folder,
                 damage=newest.damage,
-            ) from newest
+            ) from None  # the message names each step's damage; the chain was Orbax's
         return None
 
     def _set_aside(self, step: int) -> epath.Path:

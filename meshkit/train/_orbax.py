@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import gc
 import logging
+import re
 import sys
 import threading
 import traceback
@@ -344,7 +345,16 @@ def _abandoned_read(exc_value: BaseException | None) -> bool:
     closed_loop = isinstance(exc_value, RuntimeError) and any(
         frame.name == "call_soon_threadsafe" for frame in frames
     )
-    return closed_loop or _raised_in_orbax(exc_value)
+    return closed_loop or _raised_in_orbax(exc_value) or _tensorstore_read(exc_value)
+
+
+_TENSORSTORE_STATUS = re.compile(r"^[A-Z_]+: Error reading ")
+
+
+def _tensorstore_read(exc_value: BaseException) -> bool:
+    """Whether ``exc_value`` is TensorStore's own error for a read (set on an asyncio
+    future from its C++ threads, so no Python frame of Orbax's is in it)."""
+    return not exc_value.__traceback__ and bool(_TENSORSTORE_STATUS.match(str(exc_value)))
 
 
 class _DropAbandonedReads(logging.Filter):
