@@ -14,6 +14,15 @@ from meshkit._batch import place_local_rows
 from meshkit.data._pipeline import EvalPipeline, TrainPipeline
 
 
+def drop_grain_note(error: BaseException) -> None:
+    """Removes the note Grain adds to an error raised in a transform ("Grain has
+    removed its internal frames ..."): printed after the message, it became the last
+    line a user read, below the line that names the cause."""
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        error.__notes__ = [n for n in notes if "Grain has removed its internal frames" not in n]
+
+
 class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
     """Iterates global ``jax.Array`` batches, each placed on the devices ``prefetch`` steps early.
 
@@ -71,6 +80,9 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         first = self._local is None
         try:
             return self._next()
+        except Exception as error:
+            drop_grain_note(error)
+            raise
         finally:
             seconds = time.perf_counter() - started
             if first:
