@@ -293,6 +293,49 @@ def test_token_ids_outside_the_vocabulary_are_named_or_poison_the_output():
 
 
 @pytest.mark.once
+def test_fit_names_an_out_of_vocabulary_token_id_with_its_row_and_position(tmp_path):
+    """Under jit the model cannot raise: the step's loss is NaN, and fit's error names
+    the id, where it is in the batch and the example it came from."""
+    import optax
+
+    import meshkit
+    from meshkit import data, train
+
+    tokens = np.random.default_rng(0).integers(0, 16, (64, 9)).astype(np.int32)
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    probe = data.TrainPipeline(data.ArraySource({"tokens": tokens}), global_batch_size=8,
+                               sharding=sharding)  # fmt: skip
+    index = int(probe.global_indices(1)[3])  # read by the second step, at row 3
+    tokens[index, 6] = 40
+    pipeline = data.TrainPipeline(data.ArraySource({"tokens": tokens}), global_batch_size=8,
+                                  sharding=sharding)  # fmt: skip
+    model = train.linen_model(
+        Transformer(vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, mlp_dim=16),
+        jnp.zeros((1, 8), jnp.int32),
+    )
+    state = train.create_train_state(model, optax.sgd(0.1), mesh)
+
+    def loss_fn(params, state, batch, rng):
+        logits, collections = train.apply_model(state, batch["tokens"][:, :-1], params=params)
+        labels = batch["tokens"][:, 1:]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, train.LossOutput(collections, {})
+
+    step = train.make_train_step(loss_fn, train.state_shardings_of(state), sharding)
+    with pytest.raises(train.NonFiniteLossError) as info:
+        train.fit(state, step, pipeline, num_steps=3, workdir=tmp_path,
+                  logging=train.Logging(progress=False))  # fmt: skip
+    message = str(info.value)
+    assert message.startswith("Training stopped at step 2:"), message
+    assert (
+        "The batch of that step holds token ids outside [0, 16), the model's vocabulary: 1 "
+        "of this process's 72 ids. The first is id 40 at position 6 of row 3 of the global "
+        f"batch, source index {index} of ArraySource." in message
+    ), message
+
+
+@pytest.mark.once
 def test_a_label_that_is_no_class_gives_a_nan_loss_not_the_last_class():
     from meshkit.train._step import _cross_entropy
 
