@@ -117,5 +117,5 @@ def _model_width(state: Any, one: jax.ShapeDtypeStruct, *, rank: int) -> int | N
     from meshkit.train._step import apply_model
 
     logits, _ = jax.eval_shape(apply_model, state, one)
-    shape = getattr(logits, "shape", ())
-    return int(shape[-1]) if len(shape) == rank else None
+    dims = list(getattr(logits, "shape", ()))
+    return int(dims[-1]) if len(dims) == rank else None
