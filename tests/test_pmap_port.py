@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,42 @@ def test_a_msgpack_checkpoint_cut_short_is_named(
     cut.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ValueError, match=rf"{cut} \({int(len(data) * keep)} bytes\) is cut short"):
         import_flax_checkpoint(str(cut), example_state())
+
+
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
+def test_a_bit_flipped_after_the_first_import_is_caught_by_the_digest_file(
+    pmap_checkpoints: PmapCheckpoints, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from flax import serialization
+    from flax.training import checkpoints
+
+    # The msgpack format unreplicated, as the Flax examples save it (a replicated one
+    # holds 8 copies, which the import checks against each other).
+    saved = next(Path(pmap_checkpoints.dirs["msgpack-replicated"]).glob("checkpoint_*"))
+    tree = checkpoints.restore_checkpoint(str(saved), target=None)
+    copy = tmp_path / saved.name
+    copy.write_bytes(serialization.msgpack_serialize(jax.tree.map(lambda x: x[0], tree)))
+    record = tmp_path / "imported.json"
+    first = import_flax_checkpoint(str(copy), example_state(), digest_file=record)
+    assert str(copy.resolve()) in json.loads(record.read_text())
+    import_flax_checkpoint(str(copy), example_state(), digest_file=record)  # unchanged: fine
+    # One bit inside the kernel's bytes: the format has no checksum, so without the
+    # record it imports different values without a word.
+    data = bytearray(copy.read_bytes())
+    kernel = np.asarray(pmap_checkpoints.params["Dense_0"]["kernel"]).tobytes()
+    at = bytes(data).index(kernel[:32]) + len(kernel) // 2
+    data[at] ^= 0x10
+    copy.write_bytes(bytes(data))
+    changed = import_flax_checkpoint(str(copy), example_state())
+    assert not np.array_equal(meshkit.to_host(changed.params["Dense_0"]["kernel"]),
+                              meshkit.to_host(first.params["Dense_0"]["kernel"]))  # fmt: skip
+    expected = (
+        r"no longer holds what its first import read \(recorded in .*imported\.json\): "
+        r"1 of \d+ arrays differ \(params/Dense_0/kernel\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        import_flax_checkpoint(str(copy), example_state(), digest_file=record)
 
 
 def continue_imported(directory: str) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import numpy as np
 from flax import serialization
 
 from meshkit._host import place_global
+from meshkit._paths import as_path, write_text_atomically
 from meshkit.train._precision import LossScale
 from meshkit.train._state import TrainState
 
@@ -25,6 +28,7 @@ def import_flax_checkpoint(
     *,
     step: int | None = None,
     ignore: Sequence[str] = (),
+    digest_file: str | os.PathLike[str] | None = None,
 ) -> TrainState:
     """``state`` with the values of a checkpoint written by ``flax.training.checkpoints``.
 
@@ -53,6 +57,13 @@ def import_flax_checkpoint(
     Every process reads the whole checkpoint (as the examples wrote it), so a
     multi-process job calls this on every process with the same path.
 
+    Neither format carries a checksum: a flipped bit in the file imports silently
+    different values. ``digest_file`` catches such a change after the first import: the
+    first import records a CRC-32 and an Adler-32 of every array it read there (JSON,
+    one entry per checkpoint), and every later import of that checkpoint compares
+    against it. (meshkit's own checkpoints carry a digest, so once a run has saved one,
+    resume from it rather than importing again.)
+
     Args:
       path: the directory ``save_checkpoint`` wrote into (the newest
         ``checkpoint_<step>`` in it is read), or one ``checkpoint_<step>`` directory
@@ -62,11 +73,14 @@ def import_flax_checkpoint(
       ignore: top-level fields or path prefixes (``"epoch"``,
         ``"dynamic_scale"``, ``"params/head"``) of the checkpoint to leave out, and
         of the state to keep as they are.
+      digest_file: a JSON file recording what each checkpoint held when first imported
+        (written by process 0 then), checked on every later import.
 
     Raises:
       FileNotFoundError: no checkpoint at ``path``.
       ValueError: paths that do not match, listed (in the checkpoint only, in the
-        state only, different shapes), or replicas that disagree.
+        state only, different shapes), replicas that disagree, or values that differ
+        from those ``digest_file`` recorded.
 
     Examples:
         >>> import tempfile, jax, jax.numpy as jnp, optax, flax.linen as nn, meshkit
@@ -85,7 +99,7 @@ def import_flax_checkpoint(
         (200, True)
     """
     path = os.fspath(path)
-    raw = _read(path, step)
+    raw, where = _read(path, step)
     if not isinstance(raw, Mapping):
         raise ValueError(
             f"The checkpoint at {path!r} holds a {type(raw).__name__}, not a train state's "
@@ -104,11 +118,49 @@ def import_flax_checkpoint(
     values = {
         key: _unreplicate(key, np.asarray(saved[key]), replicas, wanted[key]) for key in wanted
     }
+    if digest_file is not None:
+        _check_digest(digest_file, where, values)
     return _place(_from_target(state, _with_leaves(target, values)), state)
 
 
-def _read(path: str, step: int | None) -> Any:
-    """The checkpoint's tree, arrays as numpy (whatever devices wrote it)."""
+def _host_digest(values: Mapping[str, Any]) -> dict[str, list[int]]:
+    """CRC-32 and Adler-32 of each array's bytes, under its path."""
+    digest = {}
+    for key, value in values.items():
+        raw = np.ascontiguousarray(value).tobytes()
+        digest[key] = [zlib.crc32(raw), zlib.adler32(raw)]
+    return digest
+
+
+def _check_digest(record: Any, checkpoint: Path, values: Mapping[str, Any]) -> None:
+    """Records the digest of ``values`` as read from ``checkpoint`` in ``record`` (the first
+    import of it), or checks it against the one recorded."""
+    digest = _host_digest(values)
+    key = str(checkpoint.resolve())
+    record = as_path(record)
+    held = json.loads(record.read_text()) if record.exists() else {}
+    if key not in held:
+        if jax.process_index() == 0:
+            held[key] = digest
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(record, json.dumps(held, indent=1) + "\n")
+        return
+    differ = sorted(
+        k for k in held[key].keys() | digest.keys() if held[key].get(k) != digest.get(k)
+    )
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ValueError(
+            f"{checkpoint} no longer holds what its first import read (recorded in {record}): "
+            f"{len(differ)} of {len(digest)} arrays differ ({shown}). Its format has no "
+            "checksum, so this record is how the change shows: copy the checkpoint again from "
+            f"where it was written, or delete its entry from {record} to accept the new values."
+        )
+
+
+def _read(path: str, step: int | None) -> tuple[Any, Path]:
+    """The checkpoint's tree, arrays as numpy (whatever devices wrote it), and the
+    checkpoint read (an Orbax directory or a msgpack file)."""
     from flax.training import checkpoints
 
     where = Path(path)
@@ -125,10 +177,10 @@ def _read(path: str, step: int | None) -> Any:
             )
         where = Path(chosen)
     if where.is_file():  # the msgpack format of flax before Orbax
-        return _read_msgpack(where, checkpoints)
+        return _read_msgpack(where, checkpoints), where
     from meshkit.train._orbax import read_pytree_as_numpy
 
-    return read_pytree_as_numpy(where)
+    return read_pytree_as_numpy(where), where
 
 
 def _read_msgpack(where: Path, checkpoints: Any) -> Any:
