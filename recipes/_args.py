@@ -133,11 +133,18 @@ def add_input_options(
 def setup_errors_in_one_line() -> Iterator[None]:
     """A ``ValueError`` while the training input or the run is set up (a dataset too
     large to be resident, a batch larger than the dataset, a workdir holding a run with
-    other settings) ends the recipe with its message alone: each names the setting and
-    the fix; a traceback would only bury it."""
+    other settings), or an object-store workdir without its client package or its
+    network, ends the recipe with its message alone: each names the setting and the
+    fix; a traceback would only bury it."""
+    from meshkit._paths import STORE_PACKAGE_NAMES, StoreUnreachableError
+
     try:
         yield
-    except ValueError as error:
+    except (ValueError, StoreUnreachableError) as error:
+        raise SystemExit(str(error)) from None
+    except ImportError as error:  # an object-store workdir without its client package
+        if error.name not in STORE_PACKAGE_NAMES:
+            raise
         raise SystemExit(str(error)) from None
 
 

@@ -267,6 +267,39 @@ def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatc
         assert 'pip install "meshkit[gcs]"' in message and "TensorStore" in message
 
 
+def test_an_object_store_workdir_without_a_network_to_it_ends_in_one_line(monkeypatch):
+    """With gcsfs installed and no network, its retries took 51 s and 149 lines."""
+    import socket
+    import types
+
+    import fsspec
+
+    from meshkit import _paths
+    from recipes._args import setup_errors_in_one_line
+
+    client = types.new_class("GCSFileSystem")
+    client.__module__ = "gcsfs.core"  # what fsspec returns when gcsfs is installed
+    monkeypatch.setattr(fsspec, "get_filesystem_class", lambda scheme: client)
+
+    def no_network(host, *args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    _paths._resolve.cache_clear()
+    mesh = meshkit.make_mesh("data=-1")
+    with pytest.raises(SystemExit) as stop, setup_errors_in_one_line():
+        train.write_run_config("gs://bucket/run", {}, mesh)
+    assert str(stop.value.code) == (
+        "The workdir gs://bucket/run is on Google Cloud Storage, but its host "
+        "storage.googleapis.com cannot be reached from this machine (gaierror: [Errno -2] "
+        "Name or service not known). Run where Google Cloud Storage is reachable, or use a "
+        "local workdir."
+    )
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://localhost:4443")
+    assert _paths._store_host("gs") == "localhost"  # an emulator is checked, not GCS
+    _paths._resolve.cache_clear()
+
+
 @pytest.mark.once
 def test_a_run_config_that_differs_from_the_checkpointed_run_is_refused_by_name(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
