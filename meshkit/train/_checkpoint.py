@@ -347,7 +347,7 @@ class Checkpointer:
                 + "; ".join(mismatches[:5])
                 + (f" (and {len(mismatches) - 5} more)" if len(mismatches) > 5 else "")
                 + ". Resume with the model that wrote it, or start this model in a new workdir."
-            ) from error
+            ) from None  # the differences are named; Orbax's structure error adds only lines
 
     def _mismatches(self, step: int, target: Any) -> list[str]:
         """``"<leaf>: saved <shape>, now <shape>"`` for each leaf that differs or is in one only."""
