@@ -17,7 +17,8 @@ estimated step time, then the chosen layout and why, e.g.::
 
 The plans are written to ``<workdir>/plan_<target>.json`` and ``.png``. Other runs::
 
-    python -m recipes.plan --params 7b            # a 7B model (32 layers, width 4096)
+    python -m recipes.plan --params 8b            # Llama 3 8B (also 1b, 7b: LLaMA shapes)
+    python -m recipes.plan --params 8b --param-dtype bf16  # bf16 parameters, f32 AdamW
     python -m recipes.plan --targets h100x64      # one target only
 
 Train with a chosen layout: ``python -m recipes.transformer_lm --layout PLAN.json``.
@@ -31,14 +32,17 @@ import sys
 import time
 from typing import Any, get_args
 
-from meshkit.models import RematPolicy
+from meshkit.models import RematPolicy, llama_architecture
 from recipes._args import recipe_parser
 
 SIZES: dict[str, dict[str, Any]] = {
-    "1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192},
-    "7b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "mlp_dim": 16384},
-}
-"""Model sizes by ``--params``: GPT-3 XL's shape, and a LLaMA-7B-sized width and depth."""
+    "1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192,
+             "vocab_size": 50304},
+    **{size: llama_architecture(size) for size in ("1b", "7b", "8b")},
+}  # fmt: skip
+"""Models by ``--params``: GPT-3 XL's shape (GPT-2's vocabulary), and LLaMA's published
+1B (Llama 3.2), 7B (Llama 2) and 8B (Llama 3): RoPE, RMSNorm, SwiGLU, grouped-query
+attention, no biases."""
 
 TARGETS: dict[str, dict[str, Any]] = {
     "h100x64": {"accelerator": "h100", "devices": 64, "slices": 8, "fsdp": (1, 8)},
@@ -52,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Each target's own count of fake devices: --cpu-devices would have no effect.
     parser = recipe_parser(__doc__, workdir="workdir/plan", cpu_devices=False)
     parser.add_argument("--params", choices=sorted(SIZES), default="1.3b")
+    parser.add_argument(
+        "--param-dtype",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="the parameters' dtype (bf16: AdamW's state stays float32)",
+    )
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
     parser.add_argument("--length", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", max(TARGETS[name]["devices"] for name in targets))
 
+    import jax.numpy as jnp
+
     from meshkit import plan
 
     tpu = importlib.util.find_spec("libtpu") is not None
@@ -99,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         on_tpu = tpu and spec["accelerator"] == "v5e"
         workload = plan.transformer_workload(  # the TPU compiler plans the flash kernel
             **SIZES[args.params],
-            vocab_size=50304,
             length=args.length,
             batch_size=args.batch_size,
             attention="pallas" if on_tpu else "auto",
+            param_dtype=jnp.bfloat16 if args.param_dtype == "bf16" else jnp.float32,
         )
         target = plan.Target(
             spec["accelerator"],

@@ -342,3 +342,93 @@ def test_a_label_that_is_no_class_gives_a_nan_loss_not_the_last_class():
     logits = jnp.array([[0.0, 1.0, 2.0]] * 4)
     losses = np.asarray(_cross_entropy(logits, jnp.array([0, 2, -1, 3])))
     assert np.isfinite(losses[:2]).all() and np.isnan(losses[2:]).all()
+
+
+# --- the LLaMA architecture, against a numpy forward pass written from the papers ----
+
+
+def _np_rms(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+
+def _np_rope(x_BxLxHxK: np.ndarray, base: float) -> np.ndarray:
+    """RoFormer's rotation, with complex numbers: pair ``(x_i, x_{i+K/2})`` as ``x_i + j
+    x_{i+K/2}``, times ``exp(j p base^(-2i/K))`` at position ``p``."""
+    half = x_BxLxHxK.shape[-1] // 2
+    pairs = x_BxLxHxK[..., :half] + 1j * x_BxLxHxK[..., half:]
+    theta = base ** (-2.0 * np.arange(half) / (2 * half))
+    turn = np.exp(1j * np.arange(x_BxLxHxK.shape[1])[:, None] * theta[None, :])
+    rotated = pairs * turn[None, :, None, :]
+    return np.concatenate([rotated.real, rotated.imag], axis=-1)
+
+
+def _np_llama(params: Any, tokens: np.ndarray, *, num_heads: int, base: float) -> np.ndarray:
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    embedding = p["embed"]["embedding"]
+    x = embedding[tokens]
+    layer = 0
+    while f"block_{layer}" in p:
+        block = p[f"block_{layer}"]
+        attention = block["attention"]
+        h = _np_rms(x, block["attention_norm"]["scale"])
+        q = _np_rope(np.einsum("bld,dhk->blhk", h, attention["query"]["kernel"]), base)
+        k = _np_rope(np.einsum("bld,dgk->blgk", h, attention["key"]["kernel"]), base)
+        v = np.einsum("bld,dgk->blgk", h, attention["value"]["kernel"])
+        group = num_heads // k.shape[2]
+        k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+        logits = np.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        length = tokens.shape[1]
+        logits = np.where(np.tril(np.ones((length, length), bool)), logits, -np.inf)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        mixed = np.einsum("bhqt,bthk->bqhk", weights, v)
+        x = x + np.einsum("blhk,hkd->bld", mixed, attention["out"]["kernel"])
+        mlp = block["mlp"]
+        h = _np_rms(x, block["mlp_norm"]["scale"])
+        gate = h @ mlp["gate"]["kernel"]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["up"]["kernel"])) @ mlp["down"]["kernel"]
+        layer += 1
+    return _np_rms(x, p["final_norm"]["scale"]) @ embedding.T
+
+
+@pytest.mark.once
+def test_the_llama_architecture_matches_a_numpy_forward_pass_and_its_published_sizes():
+    from meshkit.models import llama
+
+    model = llama("8b", num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=48,
+                  vocab_size=50, tie_embeddings=True, max_length=12, rope_base=100.0)  # fmt: skip
+    tokens = np.random.default_rng(1).integers(0, 50, (3, 12))
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32))
+    params = jax.tree.map(np.asarray, nn_unbox(variables["params"]))
+    assert "bias" not in str(jax.tree_util.tree_structure(params))  # no biases anywhere
+    assert params["block_0"]["attention"]["key"]["kernel"].shape == (32, 2, 8)  # 2 kv heads
+    got = np.asarray(jax.jit(model.apply)(variables, jnp.asarray(tokens)))
+    want = _np_llama(params, tokens, num_heads=4, base=100.0)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    # Rotary positions are relative: a query at m and a key at n meet in a product
+    # that depends on m - n only.
+    from meshkit.models._transformer import rotary_embedding
+
+    q_K, k_K = np.random.default_rng(2).normal(size=(2, 16))
+    q = rotary_embedding(jnp.broadcast_to(jnp.asarray(q_K, jnp.float32), (1, 9, 1, 16)))
+    k = rotary_embedding(jnp.broadcast_to(jnp.asarray(k_K, jnp.float32), (1, 9, 1, 16)))
+    products = np.asarray(jnp.einsum("bmhk,bnhk->mn", q, k))
+    np.testing.assert_allclose(products[1:, 1:], products[:-1, :-1], atol=1e-4)
+    assert np.ptp(np.diagonal(products, offset=2)) < 1e-4 and np.ptp(products[0]) > 0.1
+
+    counts = {}
+    for size in ("1b", "7b", "8b"):
+        shapes = jax.eval_shape(llama(size, max_length=8, scan_layers=True).init, jax.random.key(0),
+                                jnp.zeros((1, 8), jnp.int32))  # fmt: skip
+        counts[size] = sum(x.size for x in jax.tree.leaves(shapes))
+    assert counts == {"1b": 1_235_814_400, "7b": 6_738_415_616, "8b": 8_030_261_248}
+    with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4"):
+        llama("1b", num_heads=4, num_kv_heads=3, embed_dim=32).init(
+            jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+        )
+
+
+def nn_unbox(tree: Any) -> Any:
+    import flax.linen as nn
+
+    return nn.meta.unbox(tree)

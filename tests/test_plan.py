@@ -158,6 +158,31 @@ def test_collectives_across_slices_are_only_those_of_the_axis_that_spans_them() 
     assert report.terms["dcn"] > 0
 
 
+def test_a_llama_in_bf16_plans_with_exact_parameter_and_float32_optimizer_bytes() -> None:
+    from meshkit.models import llama_architecture
+
+    shape = {**llama_architecture("1b"), "num_layers": 2, "embed_dim": 128, "num_heads": 8,
+             "num_kv_heads": 2, "mlp_dim": 256, "vocab_size": 512}  # fmt: skip
+    workload = planning.transformer_workload(
+        **shape, length=32, batch_size=16, param_dtype=jnp.bfloat16
+    )
+    from meshkit.plan._planner import layout_rules
+
+    rules = layout_rules(fsdp=True, tensor=True, logical=True)
+    layout = planning.Layout({"data": 2, "fsdp": 2, "model": 2}, rules=rules, precision="bf16")
+    m = planning.plan(workload, [layout], TARGET, progress=False).reports[0].measurement
+    width, kv, mlp, vocab = 128, 2 * 16, 256, 512  # kv: 2 key/value heads of width 16
+    per_layer = 2 * width * width + 2 * width * kv + 3 * width * mlp + 2 * width
+    count = vocab * width + 2 * per_layer + width  # tied embeddings, no biases
+    assert m.num_params == count
+    # every weight is split over fsdp x model (4 devices) but the norm scales, which are
+    # split over fsdp only (embed); bf16 parameters, two float32 AdamW moments each
+    norms = (2 * 2 + 1) * width
+    assert m.params_bytes == 2 * ((count - norms) // 4 + norms // 2)
+    assert m.optimizer_bytes - 2 * 4 * ((count - norms) // 4 + norms // 2) < 64  # + counts
+    assert not m.error and not m.idle_axes
+
+
 @functools.cache
 def _lm_plan() -> planning.Plan:
     """Four tensor-parallel layouts of the small language model on 8 devices."""

@@ -19,6 +19,8 @@ from meshkit.models._resnet import ResNet18 as ResNet18
 from meshkit.models._resnet import ResNet34 as ResNet34
 from meshkit.models._resnet import ResNet50 as ResNet50
 from meshkit.models._transformer import Transformer as Transformer
+from meshkit.models._transformer import llama as llama
+from meshkit.models._transformer import llama_architecture as llama_architecture
 from meshkit.models._vit import ViT as ViT
 from meshkit.models._vit import ViTSmall as ViTSmall
 from meshkit.models._vit import ViTTiny as ViTTiny

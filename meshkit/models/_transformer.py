@@ -17,6 +17,8 @@ name       dimension                                             symbol
 ``embed``  the model width, ``embed_dim``                        D
 ``mlp``    the hidden width of the MLP blocks, ``mlp_dim``       F
 ``heads``  attention heads, ``num_heads``                        H
+``kv_heads`` key and value heads, ``num_kv_heads`` (grouped      G
+           queries; ``heads`` when every head has its own)
 ``kv``     the width of one head, ``embed_dim // num_heads``     K
 ``layers`` the blocks of a scanned model (parameters only)       N
 =========  ====================================================  ======
@@ -30,7 +32,7 @@ holds all the layers, each sharded as the other names say).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -61,8 +63,47 @@ def _ones(*names: str | None) -> nn.initializers.Initializer:
     return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
 
 
-def _layer_norm(name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(scale_init=_ones("embed"), bias_init=_zeros("embed"), name=name)
+Norm = Literal["layer", "rms"]
+"""``"layer"``: LayerNorm (scale and bias, GPT); ``"rms"``: RMSNorm (scale only, LLaMA)."""
+
+MlpKind = Literal["gelu", "swiglu"]
+"""``"gelu"``: up, GELU, down (GPT); ``"swiglu"``: ``down(silu(gate(x)) * up(x))`` (LLaMA)."""
+
+
+def _norm(kind: Norm, name: str, param_dtype: Any = jnp.float32) -> nn.Module:
+    if kind == "rms":  # LLaMA's epsilon
+        return nn.RMSNorm(
+            epsilon=1e-5, scale_init=_ones("embed"), param_dtype=param_dtype, name=name
+        )
+    return nn.LayerNorm(
+        scale_init=_ones("embed"), bias_init=_zeros("embed"), param_dtype=param_dtype, name=name
+    )
+
+
+def rotary_embedding(x_BxLxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (RoFormer; as LLaMA applies it to queries and keys).
+
+    Each head's width ``K`` is split in two halves ``(a, b)``; at position ``p`` the pair
+    ``(a_i, b_i)`` is rotated by the angle ``p * base^(-2i / K)``. The product of a query
+    at position ``m`` and a key at ``n`` then depends on ``m - n`` only.
+
+    Examples:
+        >>> x = jnp.ones((1, 3, 2, 4))
+        >>> y = rotary_embedding(x)
+        >>> y.shape, bool(jnp.allclose(y[:, 0], x[:, 0]))  # position 0: no rotation
+        ((1, 3, 2, 4), True)
+    """
+    length, width = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1]
+    if width % 2:
+        raise ValueError(f"Rotary embedding needs an even head width; got {width}.")
+    frequency_W = base ** (-jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    angle_LxW = jnp.arange(length, dtype=jnp.float32)[:, None] * frequency_W[None, :]
+    cos_Lx1xW = jnp.cos(angle_LxW)[:, None, :]
+    sin_Lx1xW = jnp.sin(angle_LxW)[:, None, :]
+    x = x_BxLxHxK.astype(jnp.float32)
+    a, b = x[..., : width // 2], x[..., width // 2 :]
+    rotated = jnp.concatenate([a * cos_Lx1xW - b * sin_Lx1xW, a * sin_Lx1xW + b * cos_Lx1xW], -1)
+    return rotated.astype(x_BxLxHxK.dtype)
 
 
 def sinusoidal_positions(length: int, width: int) -> jax.Array:
@@ -95,46 +136,71 @@ class Einsum(nn.Module):
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
     bias_names: tuple[str | None, ...] | None = None
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", _normal(*self.names), self.shape)
+        kernel = self.param("kernel", _normal(*self.names), self.shape, self.param_dtype)
         y = jnp.einsum(self.equation, x, kernel.astype(x.dtype))
         if self.bias_names is None:
             return y
         bias_shape = self.shape[len(self.shape) - len(self.bias_names) :]
-        bias = self.param("bias", _zeros(*self.bias_names), bias_shape)
+        bias = self.param("bias", _zeros(*self.bias_names), bias_shape, self.param_dtype)
         return y + bias.astype(y.dtype)
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which position ``t`` attends to positions ``<= t``.
 
-    The key projection has no bias: it would add the same amount to every logit of
-    a query, which the softmax cancels, so its gradient is zero.
+    With ``num_kv_heads`` below ``num_heads`` (grouped-query attention) each key and
+    value head serves ``num_heads // num_kv_heads`` query heads. With ``rope_base``
+    the queries and keys are rotated by their position (``rotary_embedding``). Without
+    ``use_bias`` no projection has a bias; with it, the key projection still has none:
+    it would add the same amount to every logit of a query, which the softmax cancels,
+    so its gradient is zero.
     """
 
     num_heads: int
     dropout_rate: float = 0.0
     implementation: AttentionImplementation = "auto"
+    num_kv_heads: int | None = None
+    rope_base: float | None = None
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
         width = x_BxLxD.shape[-1]
         head_dim = width // self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
+        grouped = kv_heads != self.num_heads
         heads = ("batch", "length", "heads", "kv")
 
-        def project(name: str) -> jax.Array:
+        def project(name: str, count: int, head_name: str) -> jax.Array:
+            biased = self.use_bias and name != "key"
             y_BxLxHxK = Einsum(
                 "bld,dhk->blhk",
-                (width, self.num_heads, head_dim),
-                ("embed", "heads", "kv"),
-                None if name == "key" else ("heads", "kv"),
+                (width, count, head_dim),
+                ("embed", head_name, "kv"),
+                (head_name, "kv") if biased else None,
+                self.param_dtype,
                 name=name,
             )(x_BxLxD)
-            return nn.with_logical_constraint(y_BxLxHxK, heads)
+            if head_name == "heads":
+                y_BxLxHxK = nn.with_logical_constraint(y_BxLxHxK, heads)
+            return y_BxLxHxK
 
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (project(n) for n in ("query", "key", "value"))
+        kv_name = "kv_heads" if grouped else "heads"
+        q_BxLxHxK = project("query", self.num_heads, "heads")
+        k_BxLxGxK = project("key", kv_heads, kv_name)
+        v_BxLxGxK = project("value", kv_heads, kv_name)
+        if self.rope_base is not None:
+            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
+            k_BxLxGxK = rotary_embedding(k_BxLxGxK, self.rope_base)
+        if grouped:  # each key and value head, once per query head of its group
+            group = self.num_heads // kv_heads
+            k_BxLxGxK, v_BxLxGxK = (jnp.repeat(t, group, axis=2) for t in (k_BxLxGxK, v_BxLxGxK))
+        k_BxLxHxK, v_BxLxHxK = k_BxLxGxK, v_BxLxGxK
         if train and self.dropout_rate > 0:  # dropout on the weights: they must exist
             check_weights_kept(self.implementation, where="Transformer")
             logits_BxHxLxL = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxLxHxK) / math.sqrt(
@@ -155,32 +221,45 @@ class CausalSelfAttention(nn.Module):
             "blhk,hkd->bld",
             (self.num_heads, head_dim, width),
             ("heads", "kv", "embed"),
-            ("embed",),
+            ("embed",) if self.use_bias else None,
+            self.param_dtype,
             name="out",
         )(mixed_BxLxHxK)
 
 
 class Mlp(nn.Module):
-    """Dense to ``mlp_dim``, GELU, dense back to the model width."""
+    """Dense to ``mlp_dim``, GELU, dense back to the model width; or, with ``kind=
+    "swiglu"``, ``down(silu(gate(x)) * up(x))``."""
 
     mlp_dim: int
+    kind: MlpKind = "gelu"
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        h_BxLxF = nn.Dense(
-            self.mlp_dim, kernel_init=_normal("embed", "mlp"), bias_init=_zeros("mlp"), name="up"
-        )(x_BxLxD)
-        h_BxLxF = nn.with_logical_constraint(nn.gelu(h_BxLxF), ("batch", "length", "mlp"))
-        return nn.Dense(
-            x_BxLxD.shape[-1],
-            kernel_init=_normal("mlp", "embed"),
-            bias_init=_zeros("embed"),
-            name="down",
-        )(h_BxLxF)
+        def dense(width: int, names: tuple[str, str], name: str) -> nn.Dense:
+            return nn.Dense(
+                width,
+                use_bias=self.use_bias,
+                kernel_init=_normal(*names),
+                bias_init=_zeros(names[1]),
+                param_dtype=self.param_dtype,
+                name=name,
+            )
+
+        up_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "up")(x_BxLxD)
+        if self.kind == "swiglu":
+            gate_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "gate")(x_BxLxD)
+            h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
+        else:
+            h_BxLxF = nn.gelu(up_BxLxF)
+        h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "mlp"))
+        return dense(x_BxLxD.shape[-1], ("mlp", "embed"), "down")(h_BxLxF)
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm layer: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+    """One pre-norm layer: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
 
     ``train`` may be passed by position, as ``nn.remat`` needs for a static argument.
     """
@@ -189,17 +268,31 @@ class Block(nn.Module):
     mlp_dim: int
     dropout_rate: float = 0.0
     attention: AttentionImplementation = "auto"
+    num_kv_heads: int | None = None
+    rope_base: float | None = None
+    norm: Norm = "layer"
+    mlp: MlpKind = "gelu"
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attention = CausalSelfAttention(
-            self.num_heads, self.dropout_rate, self.attention, name="attention"
+            self.num_heads,
+            self.dropout_rate,
+            self.attention,
+            self.num_kv_heads,
+            self.rope_base,
+            self.use_bias,
+            self.param_dtype,
+            name="attention",
         )
-        x_BxLxD = x_BxLxD + dropout(attention(_layer_norm("attention_norm")(x_BxLxD), train=train))
+        normed = _norm(self.norm, "attention_norm", self.param_dtype)(x_BxLxD)
+        x_BxLxD = x_BxLxD + dropout(attention(normed, train=train))
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
-        mlp = Mlp(self.mlp_dim, name="mlp")
-        x_BxLxD = x_BxLxD + dropout(mlp(_layer_norm("mlp_norm")(x_BxLxD)))
+        mlp = Mlp(self.mlp_dim, self.mlp, self.use_bias, self.param_dtype, name="mlp")
+        x_BxLxD = x_BxLxD + dropout(mlp(_norm(self.norm, "mlp_norm", self.param_dtype)(x_BxLxD)))
         return nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
 
 
@@ -222,8 +315,10 @@ class Transformer(nn.Module):
       max_length: the longest input; learned position codes have this many rows.
       dropout_rate: dropout on embeddings, attention weights and block outputs, in
         training only.
-      positions: ``"learned"`` (a trained ``[max_length, embed_dim]`` table) or
-        ``"sinusoidal"`` (fixed codes, no parameters).
+      positions: ``"learned"`` (a trained ``[max_length, embed_dim]`` table),
+        ``"sinusoidal"`` (fixed codes added to the embeddings, no parameters) or
+        ``"rope"`` (queries and keys rotated by their position in every layer,
+        ``rotary_embedding`` with ``rope_base``; no parameters).
       tie_embeddings: compute logits with the token embedding (``x @ embedding.T``)
         instead of a separate ``[embed_dim, vocab_size]`` matrix.
       remat: what each block keeps for the backward pass (a ``RematPolicy``);
@@ -238,6 +333,18 @@ class Transformer(nn.Module):
         fused kernels store no ``[length, length]`` weights; with attention dropout in
         training the weights must exist, so ``"auto"`` and ``"xla"`` compute them and
         the fused kernels are refused.
+      num_kv_heads: key and value heads (grouped-query attention); must divide
+        ``num_heads``. ``None``: as many as ``num_heads``.
+      norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm), before each sub-layer and
+        at the end.
+      mlp: ``"gelu"`` or ``"swiglu"`` (three matrices: gate, up, down).
+      use_bias: biases in the projections, the MLP and the output matrix.
+      rope_base: the base of the rotary frequencies (``positions="rope"``).
+      param_dtype: the parameters' dtype (``jnp.bfloat16`` halves their memory; the
+        compute dtype is the train state's precision).
+
+    ``llama(...)`` builds the LLaMA family's architecture (RoPE, RMSNorm, SwiGLU,
+    grouped-query attention, no biases) at the published sizes.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -266,11 +373,17 @@ class Transformer(nn.Module):
     mlp_dim: int = 512
     max_length: int = 128
     dropout_rate: float = 0.0
-    positions: Literal["learned", "sinusoidal"] = "learned"
+    positions: Literal["learned", "sinusoidal", "rope"] = "learned"
     tie_embeddings: bool = True
     remat: RematPolicy = "none"
     scan_layers: bool = False
     attention: AttentionImplementation = "auto"
+    num_kv_heads: int | None = None
+    norm: Norm = "layer"
+    mlp: MlpKind = "gelu"
+    use_bias: bool = True
+    rope_base: float = 10000.0
+    param_dtype: Any = jnp.float32
 
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
@@ -280,10 +393,24 @@ class Transformer(nn.Module):
                 f"Transformer embed_dim={self.embed_dim} is not divisible by "
                 f"num_heads={self.num_heads}; pick num_heads among the divisors of embed_dim."
             )
-        if self.positions not in ("learned", "sinusoidal"):
+        if self.positions not in ("learned", "sinusoidal", "rope"):
             raise ValueError(
-                f"Transformer positions must be 'learned' or 'sinusoidal'; got {self.positions!r}."
+                "Transformer positions must be 'learned', 'sinusoidal' or 'rope'; got "
+                f"{self.positions!r}."
             )
+        if self.num_kv_heads is not None and (
+            self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"Transformer num_kv_heads={self.num_kv_heads} must divide num_heads="
+                f"{self.num_heads} (each key and value head serves a group of query heads)."
+            )
+        for name, value, allowed in (
+            ("norm", self.norm, ("layer", "rms")),
+            ("mlp", self.mlp, ("gelu", "swiglu")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"Transformer {name} must be one of {allowed}; got {value!r}.")
         try:  # concrete ids (outside a jit): say which one is wrong
             ids = np.asarray(tokens_BxL)
         except jax.errors.TracerArrayConversionError:
@@ -308,7 +435,11 @@ class Transformer(nn.Module):
         self._check(tokens_BxL)
         length = tokens_BxL.shape[1]
         embed = nn.Embed(
-            self.vocab_size, self.embed_dim, embedding_init=_normal("vocab", "embed"), name="embed"
+            self.vocab_size,
+            self.embed_dim,
+            embedding_init=_normal("vocab", "embed"),
+            param_dtype=self.param_dtype,
+            name="embed",
         )
         x_BxLxD = embed(jnp.clip(tokens_BxL, 0, self.vocab_size - 1))
         # An id outside the vocabulary would read another row (-5) or NaN (vocab_size
@@ -320,36 +451,96 @@ class Transformer(nn.Module):
                 "position_embedding",
                 _normal(None, "embed"),
                 (self.max_length, self.embed_dim),
+                self.param_dtype,
             )
             x_BxLxD = x_BxLxD + table_LxD[:length].astype(x_BxLxD.dtype)
-        else:
+        elif self.positions == "sinusoidal":
             x_BxLxD = x_BxLxD + sinusoidal_positions(length, self.embed_dim).astype(x_BxLxD.dtype)
         x_BxLxD = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxLxD)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
         block = remat_block(Block, self.remat, scanned=self.scan_layers)
+        shape = {
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout_rate": self.dropout_rate,
+            "attention": self.attention,
+            "num_kv_heads": self.num_kv_heads,
+            "rope_base": self.rope_base if self.positions == "rope" else None,
+            "norm": self.norm,
+            "mlp": self.mlp,
+            "use_bias": self.use_bias,
+            "param_dtype": self.param_dtype,
+        }
         if self.scan_layers:
-            layers = block(
-                self.num_heads, self.mlp_dim, self.dropout_rate, self.attention, name="layers"
-            )
+            layers = block(**shape, name="layers")
             x_BxLxD = scan_blocks(layers, x_BxLxD, train, length=self.num_layers)
         else:
             for layer in range(self.num_layers):
-                layer_block = block(
-                    self.num_heads,
-                    self.mlp_dim,
-                    self.dropout_rate,
-                    self.attention,
-                    name=f"block_{layer}",
-                )
-                x_BxLxD = layer_block(x_BxLxD, train)
-        x_BxLxD = _layer_norm("final_norm")(x_BxLxD)
+                x_BxLxD = block(**shape, name=f"block_{layer}")(x_BxLxD, train)
+        x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype)(x_BxLxD)
         if self.tie_embeddings:
             logits_BxLxV = embed.attend(x_BxLxD)
         else:
             logits_BxLxV = nn.Dense(
                 self.vocab_size,
+                use_bias=self.use_bias,
                 kernel_init=_normal("embed", "vocab"),
                 bias_init=_zeros("vocab"),
+                param_dtype=self.param_dtype,
                 name="head",
             )(x_BxLxD)
         return nn.with_logical_constraint(logits_BxLxV, ("batch", "length", "vocab"))
+
+
+LLAMA_SIZES: dict[str, dict[str, Any]] = {
+    # Llama 3.2 1B: 1,235,814,400 parameters (embeddings tied).
+    "1b": {"num_layers": 16, "embed_dim": 2048, "num_heads": 32, "num_kv_heads": 8,
+           "mlp_dim": 8192, "vocab_size": 128256, "tie_embeddings": True,
+           "rope_base": 500000.0},
+    # Llama 2 7B: 6,738,415,616 parameters (every head its own keys and values).
+    "7b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "num_kv_heads": 32,
+           "mlp_dim": 11008, "vocab_size": 32000, "tie_embeddings": False,
+           "rope_base": 10000.0},
+    # Llama 3 8B: 8,030,261,248 parameters.
+    "8b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "num_kv_heads": 8,
+           "mlp_dim": 14336, "vocab_size": 128256, "tie_embeddings": False,
+           "rope_base": 500000.0},
+}  # fmt: skip
+"""The published shapes of three LLaMA models (their model cards' configurations)."""
+
+
+def llama_architecture(size: str) -> dict[str, Any]:
+    """The ``Transformer`` fields of ``llama(size)`` (all but ``max_length``), for
+    ``meshkit.plan.transformer_workload(**llama_architecture("8b"), length=...)``.
+
+    Examples:
+        >>> sorted(llama_architecture("8b"))[:4]
+        ['embed_dim', 'mlp', 'mlp_dim', 'norm']
+    """
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"Unknown LLaMA size {size!r}; choose one of {sorted(LLAMA_SIZES)}.")
+    return {
+        **LLAMA_SIZES[size],
+        "positions": "rope",
+        "norm": "rms",
+        "mlp": "swiglu",
+        "use_bias": False,
+    }
+
+
+def llama(size: str, **overrides: Any) -> Transformer:
+    """A ``Transformer`` with the LLaMA architecture at a published size.
+
+    RoPE, RMSNorm, SwiGLU, grouped-query attention and no biases, with the shapes of
+    ``LLAMA_SIZES[size]``: ``"1b"`` (Llama 3.2 1B), ``"7b"`` (Llama 2 7B) or ``"8b"``
+    (Llama 3 8B). ``overrides`` replace any field (``max_length``, ``remat``,
+    ``scan_layers``, ``param_dtype=jnp.bfloat16``, or a smaller ``num_layers``).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = llama("8b", max_length=8)
+        >>> shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        >>> sum(x.size for x in jax.tree.leaves(shapes))  # the published count
+        8030261248
+    """
+    return Transformer(**{**llama_architecture(size), "max_length": 4096, **overrides})

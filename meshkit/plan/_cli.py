@@ -14,13 +14,20 @@ from pathlib import Path
 from typing import Any, cast, get_args
 
 from meshkit.models._remat import RematPolicy
+from meshkit.models._transformer import llama_architecture
+
+GPT_VOCAB = 50304
+"""GPT-2's 50,257 tokens rounded up to a multiple of 128, as GPT models are trained."""
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt-125m": {"num_layers": 12, "embed_dim": 768, "num_heads": 12, "mlp_dim": 3072},
     "gpt-1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192},
     "gpt-7b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "mlp_dim": 16384},
+    **{f"llama-{size}": llama_architecture(size) for size in ("1b", "7b", "8b")},
 }
-"""GPT-style sizes by name (vocabulary and context come from --vocab and --length)."""
+"""Models by name: GPT-style sizes (vocabulary from --vocab), and the LLaMA models of
+``meshkit.models.llama`` at their published shapes and vocabularies (context from
+--length for all)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -50,7 +57,15 @@ def parser() -> argparse.ArgumentParser:
         "--workload",
         help="module:function returning a meshkit.plan.Workload (instead of --model)",
     )
-    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument(
+        "--vocab", type=int, help=f"vocabulary (default: the model's; {GPT_VOCAB} for GPTs)"
+    )
+    p.add_argument(
+        "--param-dtype",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="the parameters' dtype (bf16: AdamW's state stays float32)",
+    )
     p.add_argument("--length", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
     p.add_argument("--accelerator", default="h100", help="a name in meshkit.plan.ACCELERATORS")
@@ -82,15 +97,20 @@ def parser() -> argparse.ArgumentParser:
 def _workload(args: argparse.Namespace) -> Any:
     if args.workload:
         return _user_workload(args.workload, args.remat)
+    import jax.numpy as jnp
+
     from meshkit.plan._workloads import transformer_workload
 
     attention = args.attention or ("pallas" if args.compiler == "tpu" else "auto")
+    shape = {"vocab_size": GPT_VOCAB, **MODELS[args.model]}
+    if args.vocab is not None:
+        shape["vocab_size"] = args.vocab
     return transformer_workload(
-        **MODELS[args.model],
-        vocab_size=args.vocab,
+        **shape,
         length=args.length,
         batch_size=args.batch_size,
         attention=attention,
+        param_dtype=jnp.bfloat16 if args.param_dtype == "bf16" else jnp.float32,
     )
 
 

@@ -313,7 +313,7 @@ def _say_resharding(measurements: Sequence[Measurement]) -> None:
     )
 
 
-LOGICAL_NAMES_MODEL_AXIS = ("mlp", "heads", "vocab")
+LOGICAL_NAMES_MODEL_AXIS = ("mlp", "heads", "kv_heads", "vocab")
 """Logical names that tensor parallelism splits over the ``model`` axis."""
 
 

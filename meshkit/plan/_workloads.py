@@ -27,6 +27,33 @@ def next_token_loss(
     return loss.mean(), LossOutput(collections=collections, metrics={})
 
 
+def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` keeping its state in float32 whatever the parameters' dtype: it sees float32
+    copies of the parameters and gradients, and its updates are cast back to each
+    parameter's dtype (bfloat16 parameters, float32 AdamW moments).
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+        >>> tx = float32_state(optax.adam(0.1))
+        >>> state = tx.init(params)
+        >>> state[0].mu["w"].dtype, tx.update(params, state, params)[0]["w"].dtype
+        (dtype('float32'), dtype(bfloat16))
+    """
+
+    def wide(tree: Any) -> Any:
+        return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+    def init(params: Any) -> Any:
+        return tx.init(wide(params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        new, state = tx.update(wide(updates), state, None if params is None else wide(params))
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), new, updates), state
+
+    return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]
+
+
 def transformer_workload(
     *,
     num_layers: int,
@@ -39,16 +66,21 @@ def transformer_workload(
     tx: optax.GradientTransformation | None = None,
     scan_layers: bool = True,
     attention: AttentionImplementation = "auto",
+    **architecture: Any,
 ) -> Workload:
-    """A GPT-style ``meshkit.models.Transformer`` trained on next-token prediction.
+    """A ``meshkit.models.Transformer`` trained on next-token prediction (GPT-style by
+    default; ``architecture`` takes any other field of the model, such as LLaMA's:
+    ``positions="rope", norm="rms", mlp="swiglu", num_kv_heads=8, use_bias=False``).
 
     Layers run under ``nn.scan`` by default, so compiling a deep model takes as long as
     a shallow one; a layout's ``remat`` policy goes to every block. The optimizer
-    defaults to AdamW (two float32 moments per parameter). Its parameter count is
-    ``num_layers * (4 * embed_dim**2 + 2 * embed_dim * mlp_dim) + vocab_size * embed_dim``
-    plus biases, norms and ``length * embed_dim`` learned position codes. ``attention``
-    goes to the model (``"pallas"`` for a TPU target: the flash kernel the pod runs;
-    ``"auto"`` picks by the backend that compiles, XLA on a CPU).
+    defaults to AdamW with float32 moments: with ``param_dtype=jnp.bfloat16`` the
+    parameters and gradients are bfloat16 and the optimizer state stays float32 (AdamW
+    on float32 copies of the gradients, its updates cast back). A GPT's parameter count
+    is ``num_layers * (4 * embed_dim**2 + 2 * embed_dim * mlp_dim) + vocab_size *
+    embed_dim`` plus biases, norms and ``length * embed_dim`` learned position codes.
+    ``attention`` goes to the model (``"pallas"`` for a TPU target: the flash kernel
+    the pod runs; ``"auto"`` picks by the backend that compiles, XLA on a CPU).
 
     Examples:
         >>> workload = transformer_workload(num_layers=2, embed_dim=64, num_heads=4,
@@ -69,12 +101,15 @@ def transformer_workload(
             remat=remat,
             scan_layers=scan_layers,
             attention=attention,
+            **architecture,
         )
         return linen_model(module, jnp.zeros((1, length), jnp.int32))
 
+    if tx is None:
+        tx = float32_state(optax.adamw(3e-4, weight_decay=0.1))
     return Workload(
         model=model,
-        tx=tx if tx is not None else optax.adamw(3e-4, weight_decay=0.1),
+        tx=tx,
         loss_fn=next_token_loss,
         batch={"tokens": jax.ShapeDtypeStruct((batch_size, length + 1), jnp.int32)},
     )
