@@ -29,7 +29,7 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     parallel = ["-n", WORKERS, "--dist", "loadfile"]
-    single = "not multiprocess and not slurm and not tpu"
+    single = "not multiprocess and not slurm and not tpu and not gpu_plan"
     cache = _compilation_cache(session)
     session.run(
         "pytest",
@@ -87,6 +87,15 @@ def plan_tpu(session: nox.Session) -> None:
     not part of ``tests``, whose machines have no libtpu."""
     session.install("-e", ".[test,tpu]")
     session.run("pytest", "tests", "-m", "tpu", "-rs", "--durations=10", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def plan_gpu(session: nox.Session) -> None:
+    """The planner through XLA:GPU for compile-only H100s (installs ``meshkit[gpu-plan]``:
+    JAX's CUDA plugin, about 180 MB, no CUDA libraries and no GPU needed). Not part of
+    ``tests``."""
+    session.install("-e", ".[test,gpu-plan]")
+    session.run("pytest", "tests", "-m", "gpu_plan", "-rs", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -71,7 +71,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", default="h100", help="a name in meshkit.plan.ACCELERATORS")
     p.add_argument("--devices", type=int, default=64)
     p.add_argument("--slices", type=int, default=1, help="nodes (GPU) or slices (TPU)")
-    p.add_argument("--compiler", default="cpu", choices=("cpu", "tpu"))
+    p.add_argument(
+        "--compiler",
+        default="cpu",
+        choices=("cpu", "tpu", "gpu"),
+        help='gpu: XLA:GPU for compile-only GPUs (pip install "meshkit[gpu-plan]")',
+    )
     p.add_argument("--topology", help="TPU topology, e.g. v5e:16x16 (with --compiler tpu)")
     p.add_argument("--tensor", type=_ints, default=[1, 8], help="model-axis sizes to try")
     p.add_argument("--fsdp", type=_ints, help="fsdp-axis sizes to try (default: all)")

@@ -18,7 +18,7 @@ from meshkit._rules import FSDP, PartitionRules, Rule
 from meshkit.models._remat import RematPolicy
 from meshkit.plan._accelerators import Accelerator, accelerator
 
-Compiler = Literal["cpu", "tpu"]
+Compiler = Literal["cpu", "tpu", "gpu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,10 @@ class Target:
         span slices use the slower network between them.
       compiler: ``"cpu"`` compiles for fake CPU devices (always available; memory and
         FLOP figures are XLA:CPU's), ``"tpu"`` for a TPU topology description with the
-        TPU compiler (needs ``pip install "meshkit[tpu]"``; figures are the TPU's own).
+        TPU compiler (needs ``pip install "meshkit[tpu]"``; figures are the TPU's own),
+        ``"gpu"`` for compile-only NVIDIA GPUs with XLA:GPU (``h100``, ``h200``,
+        ``a100``; needs ``pip install "meshkit[gpu-plan]"``, no GPU; memory figures are
+        XLA:GPU's, FLOPs counted from the program's products).
       topology: the TPU topology name, e.g. ``"v5e:16x16"`` (``compiler="tpu"`` only).
       memory_fraction: the share of each chip's memory a plan may use.
     """
@@ -198,8 +201,10 @@ class Target:
                 f"Target devices={self.devices} in slices={self.slices}: both must be "
                 "positive and the slices must divide the devices evenly."
             )
-        if self.compiler not in ("cpu", "tpu"):
-            raise ValueError(f"Target compiler must be 'cpu' or 'tpu', got {self.compiler!r}.")
+        if self.compiler not in ("cpu", "tpu", "gpu"):
+            raise ValueError(
+                f"Target compiler must be 'cpu', 'tpu' or 'gpu', got {self.compiler!r}."
+            )
         if self.compiler == "tpu" and not self.topology:
             raise ValueError(
                 "Target compiler='tpu' needs a topology name, e.g. topology='v5e:16x16'."
@@ -225,6 +230,10 @@ def target_devices(target: Target) -> list[Any]:
     """
     if target.compiler == "tpu":
         return _tpu_devices(target)
+    if target.compiler == "gpu":
+        from meshkit.plan._cuda import gpu_devices
+
+        return gpu_devices(target.accelerator, target.devices, target.slices)
     if target.devices > XLA_CPU_MAX_DEVICES:
         raise ValueError(
             f"XLA:CPU compiles for at most {XLA_CPU_MAX_DEVICES} devices (above that it "
@@ -295,8 +304,10 @@ def layout_mesh(layout: Layout, devices: Sequence[Any], slices: int) -> tuple[Me
     mesh = Mesh(device_array, tuple(sizes), axis_types=(AxisType.Auto,) * n)
     per_slice = len(devices) // slices
     slice_of = [getattr(devices[int(position)], "slice_index", None) for position in grid.flat]
-    if slices > 1 and all(index is not None for index in slice_of):  # a TPU topology says
+    known = all(index is not None for index in slice_of)
+    if slices > 1 and known and len(set(slice_of)) == slices:  # a TPU topology says
         return mesh, [int(index) for index in slice_of]  # pyright: ignore[reportArgumentType]
+    # GPUs: one partition of several hosts (every slice_index 0); nodes are id blocks
     return mesh, [int(position) // per_slice for position in grid.flat]
 
 

@@ -314,7 +314,9 @@ def _refused(
 
 
 def _compiler_name(target: Target) -> str:
-    return f"XLA:TPU ({target.topology})" if target.compiler == "tpu" else "XLA:CPU"
+    if target.compiler == "tpu":
+        return f"XLA:TPU ({target.topology})"
+    return "XLA:GPU (compile-only)" if target.compiler == "gpu" else "XLA:CPU"
 
 
 def idle_axes(state: TrainState, layout: Layout) -> tuple[str, ...]:
@@ -347,7 +349,10 @@ def _read(
     cost = compiled.cost_analysis() or {}
     counts = program_counts(compiled.as_text(), slice_of_device)
     raw_flops = float(cost.get("flops", 0.0))
-    flops = raw_flops + counts.dot_flops - counts.dot_flops_once  # loop bodies, all trips
+    if raw_flops > 0:
+        flops = raw_flops + counts.dot_flops - counts.dot_flops_once  # loop bodies, all trips
+    else:  # no cost analysis (XLA:GPU without a GPU): the products, every trip
+        flops = counts.dot_flops
     scale = flops / raw_flops if raw_flops > 0 else 1.0
     params_bytes = shard_bytes(state.params)
     total = (

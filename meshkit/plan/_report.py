@@ -13,6 +13,13 @@ Plan = Any
 """A ``meshkit.plan.Plan`` (named here without importing it: the plan imports this module)."""
 
 
+GPU_CAVEAT = (
+    "XLA:GPU without a GPU: memory as XLA:GPU assigns it, FLOPs counted from its products; "
+    "its collective traffic (and so comm GB and step s) is not yet checked against a hand "
+    "count: compare memory (docs/planning.md)"
+)
+
+
 def plan_table(plan: Plan) -> str:
     """One line per layout, fitting ones first and fastest first; bytes in GiB per device.
     A layout the compiler gave no program for shows dashes for the figures only a
@@ -30,6 +37,8 @@ def plan_table(plan: Plan) -> str:
         f"{'MFU':>5}  bound by"
     )
     lines = [header, columns, "-" * len(columns)]
+    if plan.target.compiler == "gpu":  # what is and is not yet checked on XLA:GPU's programs
+        lines.insert(1, GPU_CAVEAT)
     notes = []
     for rank, report in enumerate(plan.reports, 1):
         m = report.measurement

@@ -1,0 +1,51 @@
+"""The planner through XLA:GPU for compile-only GPUs (``nox -s plan_gpu``, which installs
+JAX's CUDA plugin): no GPU and no CUDA libraries, figures from XLA:GPU's own programs.
+Skipped without the plugin."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshkit.plan._cuda import plugin_installed
+
+pytestmark = [
+    pytest.mark.gpu_plan,
+    pytest.mark.skipif(
+        not plugin_installed(),
+        reason='needs JAX\'s CUDA plugin: nox -s plan_gpu (pip install "meshkit[gpu-plan]")',
+    ),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def plan(tmp_path: Path, compiler: str) -> tuple[dict, str]:
+    out = tmp_path / f"{compiler}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "meshkit.plan", "--compiler", compiler, "--accelerator", "h100",
+         "--devices", "8", "--slices", "2", "--model", "gpt-125m", "--length", "256",
+         "--batch-size", "16", "--tensor", "1", "--fsdp", "4", "--remat", "none",
+         "--json", str(out), "--quiet"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())["layouts"][0], done.stdout + done.stderr
+
+
+def test_xla_gpu_plans_compile_only_h100s_beside_xla_cpu(tmp_path: Path) -> None:
+    gpu, said = plan(tmp_path, "gpu")
+    cpu, _ = plan(tmp_path, "cpu")
+    assert "figures from XLA:GPU (compile-only)" in said and "not yet checked" in said
+    assert "Traceback" not in said  # the plugin's CUDA check is skipped without GPUs
+    assert gpu["fits"] and gpu.get("error") is None
+    # the same state and batch: parameter and optimizer bytes are exact either way
+    for key in ("params_bytes_per_device", "optimizer_bytes_per_device", "num_params"):
+        assert gpu[key] == cpu[key], key
+    # FLOPs counted from XLA:GPU's products agree with XLA:CPU's cost analysis
+    assert gpu["flops_per_device"] == pytest.approx(cpu["flops_per_device"], rel=0.1)
+    assert 0 < gpu["temp_bytes_per_device"] <= cpu["temp_bytes_per_device"]
