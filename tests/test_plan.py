@@ -183,6 +183,40 @@ def test_a_llama_in_bf16_plans_with_exact_parameter_and_float32_optimizer_bytes(
     assert not m.error and not m.idle_axes
 
 
+def layer_activation_bytes(
+    target: planning.Target, *, attention: str, length: int, width: int, heads: int
+) -> float:
+    """Temporaries per device of one more layer of a GPT (unscanned, no remat, bf16
+    compute, one sequence per device): (3 layers - 1 layer) / 2."""
+    from meshkit.plan._layout import target_devices
+    from meshkit.plan._measure import measure
+    from meshkit.plan._planner import layout_rules
+
+    devices = target_devices(target)
+    rules = layout_rules(fsdp=False, tensor=False, logical=True)
+    layout = planning.Layout({"data": target.devices}, rules=rules, precision="bf16")
+    temps = []
+    for layers in (1, 3):
+        workload = planning.transformer_workload(
+            num_layers=layers, embed_dim=width, num_heads=heads, mlp_dim=4 * width,
+            vocab_size=256, length=length, batch_size=target.devices, scan_layers=False,
+            attention=attention,  # pyright: ignore[reportArgumentType]
+        )  # fmt: skip
+        temps.append(measure(workload, layout, target, devices).temp_bytes)
+    return (temps[1] - temps[0]) / 2
+
+
+@pytest.mark.once
+def test_xla_cpu_keeps_at_least_the_activations_korthikanti_counts_per_layer() -> None:
+    from meshkit.plan._workloads import korthikanti_activation_bytes
+
+    shape: dict[str, int] = {"length": 512, "width": 256, "heads": 4}
+    measured = layer_activation_bytes(planning.Target("h100", 1), attention="xla", **shape)
+    counted = korthikanti_activation_bytes(batch=1, length=512, width=256, heads=4)
+    # an upper bound on CPU: its fusions keep more buffers (2.7x at s=2048, h=1024)
+    assert counted <= measured <= 4 * counted, (measured / 2**20, counted / 2**20)
+
+
 @functools.cache
 def _lm_plan() -> planning.Plan:
     """Four tensor-parallel layouts of the small language model on 8 devices."""

@@ -93,3 +93,25 @@ def test_the_pallas_flash_kernel_compiles_for_a_tpu_and_stores_no_attention_matr
     # model=2 splits the heads: the kernel runs per device under shard_map either way
     for layout, xla in temporaries["xla"].items():
         assert temporaries["pallas"][layout] < xla - 2**30, (layout, temporaries)
+
+
+def test_per_layer_activations_match_korthikanti_on_the_tpu_compiler():
+    """One more GPT layer (s=2048, h=1024, a=8, one sequence per chip, bf16) against the
+    count of Korthikanti et al. 2022 without dropout (docs/planning.md has the table)."""
+    from test_plan import layer_activation_bytes
+
+    from meshkit import plan
+    from meshkit.plan._workloads import korthikanti_activation_bytes
+
+    target = plan.Target("v5e", 4, compiler="tpu", topology="v5e:2x2")
+    shape = {"length": 2048, "width": 1024, "heads": 8}
+    xla = layer_activation_bytes(target, attention="xla", **shape)
+    counted = korthikanti_activation_bytes(length=2048, batch=1, width=1024, heads=8)
+    assert xla == pytest.approx(counted, rel=0.15)
+    flash = layer_activation_bytes(target, attention="pallas", **shape)
+    fused = korthikanti_activation_bytes(
+        length=2048, batch=1, width=1024, heads=8, fused_attention=True
+    )
+    # and q, k, v in the kernel's heads-first layout as well: 6 s b h bytes more
+    assert flash == pytest.approx(fused + 6 * 2048 * 1024, rel=0.15)
+    assert flash < xla / 2

@@ -113,3 +113,22 @@ def transformer_workload(
         loss_fn=next_token_loss,
         batch={"tokens": jax.ShapeDtypeStruct((batch_size, length + 1), jnp.int32)},
     )
+
+
+def korthikanti_activation_bytes(
+    *, length: int, batch: int, width: int, heads: int, fused_attention: bool = False
+) -> float:
+    """Activation bytes one Transformer layer keeps for its backward pass, in 16-bit, by
+    the count of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", section 4.1), without dropout (meshkit's models train without
+    it by default): their ``s·b·h·(34 + 5·a·s/h)`` less the two dropout masks of the
+    block (``2·s·b·h``) and the mask of the attention weights (``a·s²·b``), that is
+    ``s·b·h·(32 + 4·a·s/h)``; a fused attention kernel keeps no weights: ``32·s·b·h``.
+
+    Examples:
+        >>> korthikanti_activation_bytes(length=2048, batch=1, width=1024, heads=8) / 2**20
+        192.0
+    """
+    s, b, h, a = length, batch, width, heads
+    attention = 0 if fused_attention else 4 * a * s / h
+    return s * b * h * (32 + attention)
