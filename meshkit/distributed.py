@@ -32,8 +32,10 @@ from typing import Literal
 
 import jax
 
-from meshkit import _peer_failure, _preemption_signals, _runtime_abort
 from meshkit._checks import check_int
+from meshkit._runtime import abort as _runtime_abort
+from meshkit._runtime import peers as _peer_failure
+from meshkit._runtime import signals as _preemption_signals
 
 __all__ = [
     "Launch",

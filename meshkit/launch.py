@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from meshkit._checks import check_int
-from meshkit._watchdog import Watchdog
+from meshkit._runtime import Watchdog
 from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 TIMEOUT_EXIT_CODE = 124

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._runtime_abort import AbortFilter
+from meshkit._runtime.abort import AbortFilter
 from meshkit.launch import free_port, process_environment
 
 # What a process printed when the coordination service's process was killed (jaxlib 0.10;

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from meshkit._checks import check_int
-from meshkit._watchdog import Watchdog
+from meshkit._runtime import Watchdog
 from meshkit.distributed import backend_started
 from meshkit.launch import free_port, process_environment
 

@@ -1,6 +1,8 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
 from meshkit._inflight import InFlight as InFlight
+from meshkit._runtime import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from meshkit._runtime import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
@@ -20,8 +22,6 @@ from meshkit.train._loop import fit as fit
 from meshkit.train._per_device import per_device as per_device
 from meshkit.train._precision import LossScale as LossScale
 from meshkit.train._precision import Precision as Precision
-from meshkit.train._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
-from meshkit.train._preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._records import NonFiniteLossError as NonFiniteLossError
 from meshkit.train._settings import Checkpoints as Checkpoints
 from meshkit.train._settings import Dispatch as Dispatch

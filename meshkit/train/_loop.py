@@ -19,6 +19,7 @@ from meshkit._compiles import count_compiles
 from meshkit._host import to_host
 from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path, check_store_packages
+from meshkit._runtime import PreemptionWatcher, StallWatch
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
@@ -28,7 +29,6 @@ from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval, MetricLayout
 from meshkit.train._label_diagnosis import labels_outside_classes
-from meshkit.train._preemption import PreemptionWatcher
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
 from meshkit.train._runners import Chunked, Closed, PerStep
@@ -40,7 +40,6 @@ from meshkit.train._settings import (
     Logging,
     resolve_deprecated,
 )
-from meshkit.train._stall import StallWatch
 from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
 

@@ -27,7 +27,7 @@ import traceback
 
 import jax
 
-from meshkit import _peer_failure
+from meshkit._runtime import peers as peer_failure
 
 ENV_STALL_TIMEOUT = "MESHKIT_STALL_TIMEOUT"
 DEFAULT_STALL_TIMEOUT = 1800.0
@@ -119,7 +119,7 @@ class StallWatch:
                 file=sys.stderr,
             )
 
-        _peer_failure.fail_job(
+        peer_failure.fail_job(
             process,
             STALLED_EXIT_CODE,
             summary,

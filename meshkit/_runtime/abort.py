@@ -7,7 +7,7 @@ JAX distributed service detected fatal errors``, and a C++ stack trace, 20 to 30
 per process that bury the one fact that matters (which process was lost).
 
 ``meshkit.distributed.initialize`` routes each process's standard error through this
-file, run as a small process of its own (``python -I -S _runtime_abort.py <process
+file, run as a small process of its own (``python -I -S abort.py <process
 id>``: the standard library only, so it starts in milliseconds). It copies everything
 through at once, except a C++ log line (``E1127 11:32:11.217444 8823 client.h:80] ...``),
 which it holds with what follows until the output has been quiet for ``QUIET`` seconds

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from meshkit import _preemption_signals
+from meshkit._runtime import signals
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM or Ctrl-C after saving (EX_TEMPFAIL: "try again")."""
@@ -101,7 +101,7 @@ class PreemptionWatcher:
             )
         if not self._watching:  # processes could stop at different steps: never stop
             return False
-        return self._signalled.is_set() or _preemption_signals.requested()
+        return self._signalled.is_set() or signals.requested()
 
     def close(self) -> None:
         """Restores the SIGTERM and SIGINT handlers that were there before."""
