@@ -303,6 +303,19 @@ def test_a_msgpack_checkpoint_cut_short_is_named(
 
 @pytest.mark.devices(8)
 @pytest.mark.once(8)
+def test_a_relative_path_imports_as_an_absolute_one(
+    pmap_checkpoints: PmapCheckpoints, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # Orbax read a relative path into a "pytree structure ... RestoreArgs" error.
+    directory = Path(pmap_checkpoints.dirs["orbax-unreplicated"])
+    monkeypatch.chdir(directory.parent)
+    state = import_flax_checkpoint(directory.name, example_state())
+    assert int(state.step) == STEPS
+    assert_close(state.params, pmap_checkpoints.params, atol=0)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
 def test_a_bit_flipped_after_the_first_import_is_caught_by_the_digest_file(
     pmap_checkpoints: PmapCheckpoints, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]

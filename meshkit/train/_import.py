@@ -98,7 +98,8 @@ def import_flax_checkpoint(
         >>> int(state.step), bool((state.params["kernel"] == params["kernel"]).all())
         (200, True)
     """
-    path = os.fspath(path)
+    # Orbax misreads a relative path (a "pytree structure ... RestoreArgs" error)
+    path = str(Path(os.fspath(path)).absolute())
     raw, where = _read(path, step)
     if not isinstance(raw, Mapping):
         raise ValueError(
