@@ -2,7 +2,9 @@
 
 The files are parsed, never run. Each finding names the file and line, the idiom, what
 replaces it in meshkit and the section of the pmap guide (docs/pmap.md) that shows it.
-The exit code is 1 when anything was found, so the check can run in a project's CI.
+The exit code is 1 when anything was found, so the check can run in a project's CI; a
+line ending in ``# meshkit: ok`` is not reported (a model kept and wrapped in
+``per_device``, for instance), and ``--json`` prints the findings as JSON.
 
 Examples:
     >>> source = '''
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,6 +61,8 @@ CALLS: dict[str, str] = {
     "meshkit.to_host(metrics)",
     "flax.training.checkpoints.save_checkpoint": "fit's Checkpoints(every=...) or "
     "meshkit.train.Checkpointer",
+    "flax.training.checkpoints.save_checkpoint_multiprocess": "fit's Checkpoints(every=...) "
+    "or meshkit.train.Checkpointer: every process writes its own shards of the global arrays",
     "flax.training.checkpoints.restore_checkpoint": "fit resumes from its workdir; "
     "meshkit.train.import_flax_checkpoint(dir, state) reads the old program's checkpoints",
     "flax.training.dynamic_scale.DynamicScale": "create_train_state(..., precision='f16'): a "
@@ -120,10 +125,37 @@ def _dotted(node: ast.expr, imports: dict[str, str]) -> str | None:
 
 
 def _is_device_count(node: ast.expr, imports: dict[str, str]) -> bool:
+    """``jax.device_count()``, ``jax.local_device_count()`` or ``len(jax.devices())``."""
     if not isinstance(node, ast.Call):
         return False
     name = _dotted(node.func, imports)
+    if name == "len" and len(node.args) == 1 and isinstance(node.args[0], ast.Call):
+        return _dotted(node.args[0].func, imports) in ("jax.devices", "jax.local_devices")
     return name in ("jax.device_count", "jax.local_device_count")
+
+
+def _counts_devices(node: ast.AST, imports: dict[str, str]) -> bool:
+    """Whether a device count appears anywhere in ``node``."""
+    return any(
+        isinstance(sub, ast.expr) and _is_device_count(sub, imports) for sub in ast.walk(node)
+    )
+
+
+def _is_first_item_lambda(node: ast.expr) -> bool:
+    """``lambda x: x[0]``: what an unreplicate written by hand maps over a state."""
+    if not isinstance(node, ast.Lambda) or len(node.args.args) != 1:
+        return False
+    body, name = node.body, node.args.args[0].arg
+    return (
+        isinstance(body, ast.Subscript)
+        and isinstance(body.value, ast.Name)
+        and body.value.id == name
+        and isinstance(body.slice, ast.Constant)
+        and body.slice.value == 0
+    )
+
+
+TREE_MAPS = ("jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map")
 
 
 class _Finder(ast.NodeVisitor):
@@ -163,9 +195,54 @@ class _Finder(ast.NodeVisitor):
                 "drop axis_name: under jit the batch statistics are already global (or keep "
                 "the model and wrap it: meshkit.train.per_device(model, mesh, axis_name=...))",
             )
+        self._call_patterns(node, name, short)
         self.generic_visit(node)
 
+    def _call_patterns(self, node: ast.Call, name: str, short: str) -> None:
+        """The idioms written with ordinary calls: by their shape, not their name."""
+        if name in TREE_MAPS and node.args and _is_first_item_lambda(node.args[0]):
+            self.add(
+                node,
+                "an unreplicate by hand (tree_map(lambda x: x[0], ...))",
+                "nothing: the state is one global array per leaf (meshkit.to_host for numpy)",
+            )
+        if short == "value_and_grad" and any(k.arg == "axis_name" for k in node.keywords):
+            self.add(
+                node,
+                "DynamicScale.value_and_grad(axis_name=...)",
+                "create_train_state(..., precision='f16') and make_train_step: the loss scale "
+                "is in the state, the gradients are global, no axis name",
+            )
+        if name in ("jax.numpy.where", "numpy.where") and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Name) and first.id in ("is_fin", "is_finite"):
+                self.add(
+                    node,
+                    "keeping a step only where its gradients are finite (jnp.where(is_fin, ...))",
+                    "nothing: make_train_step skips a float16 step whose gradients overflowed",
+                )
+        if short == "reshape" and _counts_devices(node, self.imports):
+            self.add(
+                node,
+                "a reshape to (devices, per_device, ...)",
+                "nothing: a global batch under jit, split by its sharding "
+                "(meshkit.shard_batch, TrainPipeline(global_batch_size=...))",
+            )
+
     def visit_BinOp(self, node: ast.BinOp) -> None:
+        divisor = node.right
+        if (
+            isinstance(node.op, (ast.FloorDiv, ast.Div))
+            and isinstance(divisor, ast.Call)
+            and _dotted(divisor.func, self.imports) == "jax.process_count"
+        ):
+            self.add(
+                node,
+                "a per-process batch size (... // jax.process_count())",
+                "the global batch size: TrainPipeline(global_batch_size=...) gives each "
+                "process its rows (meshkit.data_shard says which)",
+            )
+            return
         if isinstance(node.op, ast.Mult) and (
             _is_device_count(node.left, self.imports) or _is_device_count(node.right, self.imports)
         ):
@@ -198,8 +275,18 @@ def scan_source(source: str | bytes, path: str = "<source>") -> list[Finding]:
     tree = ast.parse(source, filename=path)
     finder = _Finder(path, _imports(tree))
     finder.visit(tree)
-    unique = {(f.line, f.idiom): f for f in finder.findings}
+    text = source.decode("utf-8", "replace") if isinstance(source, bytes) else source
+    handled = {
+        number
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.rstrip().endswith(HANDLED)
+    }
+    unique = {(f.line, f.idiom): f for f in finder.findings if f.line not in handled}
     return sorted(unique.values(), key=lambda f: (f.line, f.idiom))
+
+
+HANDLED = "# meshkit: ok"
+"""A line ending in this comment is not reported: its idiom was looked at and kept."""
 
 
 def _python_files(paths: Sequence[str]) -> Iterator[Path]:
@@ -251,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="List the pmap-era idioms in Python files and what replaces each.",
     )
     parser.add_argument("paths", nargs="+", help="Python files or folders")
+    parser.add_argument(
+        "--json", action="store_true", help="print the findings as a JSON list of objects"
+    )
     args = parser.parse_args(argv)
     unreadable: list[str] = []
     try:
@@ -258,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.json:
+        records = [{**dataclasses.asdict(f), "guide": GUIDE} for f in findings]
+        print(json.dumps({"findings": records, "not_checked": unreadable}, indent=1))
+        return 1 if findings else 2 if unreadable else 0
     for finding in findings:
         print(finding)
     for reason in unreadable:

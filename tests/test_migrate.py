@@ -4,6 +4,7 @@ and nothing in meshkit's own recipes."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,43 @@ def test_unreadable_files_are_reported_in_one_line_each_and_the_scan_goes_on(
     (tmp_path / "a_train.py").unlink()
     (tmp_path / "declared.py").unlink()
     assert migrate.main([str(tmp_path)]) == 2  # nothing found, but not everything checked
+
+
+WRITTEN_BY_HAND = """
+import jax
+import jax.numpy as jnp
+from flax.training import checkpoints
+
+def step(state, batch, dynamic_scale):
+    grad_fn = dynamic_scale.value_and_grad(loss_fn, axis_name="batch")
+    dynamic_scale, is_fin, loss, grads = grad_fn(state.params)
+    new_state = state.apply_gradients(grads=grads)
+    return new_state.replace(params=jnp.where(is_fin, new_state.params, state.params))
+
+def save(state, workdir):
+    state = jax.tree_util.tree_map(lambda x: x[0], state)
+    checkpoints.save_checkpoint_multiprocess(workdir, state, 10)
+
+per_host = 128 // jax.process_count()
+images = images.reshape((jax.device_count(), -1) + images.shape[1:])
+labels = labels.reshape((len(jax.local_devices()), -1))
+model = nn.BatchNorm(axis_name="batch")  # meshkit: ok
+"""
+
+
+def test_idioms_written_by_hand_are_found_and_a_handled_line_is_not(tmp_path: Path, capsys):
+    found = {(f.line, f.idiom) for f in migrate.scan_source(WRITTEN_BY_HAND)}
+    assert found == {
+        (7, "DynamicScale.value_and_grad(axis_name=...)"),
+        (10, "keeping a step only where its gradients are finite (jnp.where(is_fin, ...))"),
+        (13, "an unreplicate by hand (tree_map(lambda x: x[0], ...))"),
+        (14, "flax.training.checkpoints.save_checkpoint_multiprocess"),
+        (16, "a per-process batch size (... // jax.process_count())"),
+        (17, "a reshape to (devices, per_device, ...)"),
+        (18, "a reshape to (devices, per_device, ...)"),
+    }  # line 19's BatchNorm ends in "# meshkit: ok": looked at and kept
+    (tmp_path / "train.py").write_text(WRITTEN_BY_HAND)
+    assert migrate.main([str(tmp_path), "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["findings"]) == 7 and printed["not_checked"] == []
+    assert printed["findings"][0]["line"] == 7 and printed["findings"][0]["guide"]
