@@ -271,6 +271,7 @@ def test_a_mismatched_checkpoint_lists_the_paths(pmap_checkpoints: PmapCheckpoin
     assert "opt_state/0/mu/Dense_0/kernel" in message
     assert "opt_state/0/trace/Dense_0/kernel" in message  # in the checkpoint only
     assert "same optax chain" in message
+    assert "precision='f16'" not in message and "its model" not in message  # optimizer only
 
     scaled = pmap_checkpoints.dirs["dynamic-scale"]
     with pytest.raises(ValueError, match=r"dynamic_scale/scale[\s\S]*precision='f16'"):
@@ -299,6 +300,24 @@ def test_a_msgpack_checkpoint_cut_short_is_named(
     cut.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ValueError, match=rf"{cut} \({int(len(data) * keep)} bytes\) is cut short"):
         import_flax_checkpoint(str(cut), example_state())
+
+
+@pytest.mark.devices(8)
+@pytest.mark.once(8)
+def test_a_checkpointer_pointed_at_a_pmap_programs_folder_says_to_import_it(
+    pmap_checkpoints: PmapCheckpoints,
+) -> None:
+    from meshkit.train import Checkpointer
+
+    for variant in ("orbax-unreplicated", "msgpack-replicated"):
+        checkpointer = Checkpointer(pmap_checkpoints.dirs[variant], save_every=1)
+        try:  # resuming from it would start over without a word
+            with pytest.raises(ValueError, match=r"holds no meshkit checkpoint, but 1 written "
+                               r"by flax\.training\.checkpoints \(checkpoint_\d+\).*"
+                               r"import_flax_checkpoint\(directory, state\)"):  # fmt: skip
+                checkpointer.resume(example_state())
+        finally:
+            checkpointer.close()
 
 
 @pytest.mark.devices(8)

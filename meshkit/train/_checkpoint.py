@@ -279,8 +279,11 @@ class Checkpointer:
         step. When no checkpoint is intact, ``CheckpointDamagedError`` is raised and
         nothing is moved.
         """
+        steps = self._storage.steps()
+        if not steps:
+            _refuse_flax_checkpoints(self.directory)
         damaged: list[CheckpointDamagedError] = []
-        for step in reversed(self._storage.steps()):
+        for step in reversed(steps):
             try:
                 state, data = self.restore(target, step)
             except CheckpointDamagedError as error:
@@ -381,3 +384,18 @@ class Checkpointer:
             self._finish()
         finally:
             self._storage.close()
+
+
+def _refuse_flax_checkpoints(directory: epath.Path) -> None:
+    """Raises when ``directory`` holds no meshkit checkpoint but ``flax.training.checkpoints``
+    ones (``checkpoint_<step>``): resuming would silently start over."""
+    if not directory.is_dir():
+        return
+    flax_entries = sorted(p.name for p in directory.iterdir() if p.name.startswith("checkpoint_"))
+    if flax_entries:
+        raise ValueError(
+            f"{directory} holds no meshkit checkpoint, but {len(flax_entries)} written by "
+            f"flax.training.checkpoints ({', '.join(flax_entries[-3:])}): a pmap program's. "
+            "Read them into a state with meshkit.train.import_flax_checkpoint(directory, "
+            "state), and give fit (or the Checkpointer) a directory of its own."
+        )

@@ -308,15 +308,24 @@ def _check_match(
         return f"\n  {title} ({len(items)}):\n    {shown}{more}" if items else ""
 
     kind = f"replicated over {replicas} devices" if replicas else "unreplicated"
+    differing = [line.split(":")[0] for line in shapes] + missing + extra
+    advice = []  # only what the differing paths call for
+    if any(key.startswith("opt_state") for key in differing):
+        advice.append("the optimizer (the same optax chain) of the program that wrote it")
+    if any(not key.startswith(("opt_state", "dynamic_scale", "loss_scale")) for key in differing):
+        advice.append("its model")
+    if any(key.startswith(("dynamic_scale", "loss_scale")) for key in differing):
+        advice.append(
+            "precision='f16' for a checkpoint with a dynamic_scale (or ignore=['dynamic_scale'])"
+        )
     raise ValueError(
         f"The checkpoint at {path!r} ({kind}) does not match the train state:"
         + listed("in the state, not in the checkpoint", missing)
         + listed("in the checkpoint, not in the state", extra)
         + listed("different shapes", shapes)
-        + "\nBuild the state with create_train_state from the model and optimizer (the same "
-        "optax chain) of the program that wrote the checkpoint, with precision='f16' for a "
-        "checkpoint with a dynamic_scale; or leave fields out with ignore=[...] (e.g. "
-        "ignore=['dynamic_scale'])."
+        + "\nBuild the state with create_train_state from "
+        + "; ".join(advice)
+        + "; or leave fields out with ignore=[...]."
     )
 
 
