@@ -27,7 +27,8 @@ devices the hand loops wait for step k-1 after queuing step k, as ``fit`` does t
 GPU or TPU they never wait.
 
 Models: a tiny MLP on the 8×8 digits (batch 64: the bookkeeping dominates), and the
-MNIST CNN of the Flax ensembling HOWTO on the digits resized to 28×28 (batch 128).
+MNIST CNN of the Flax ensembling HOWTO on the digits resized to 28×28 (batch 128); and
+an ensemble of 8 tiny MLPs on the ``ensemble`` axis (``--models ensemble``).
 """
 
 from __future__ import annotations
@@ -180,6 +181,82 @@ def case(
     return result
 
 
+def ensemble_case(mesh, *, members: int, batch: int, steps: int) -> dict:
+    """The Flax ensembling HOWTO's setting on the tiny MLP: ``members`` members on the
+    ``ensemble`` axis, one shared batch; the bare ensemble step over placed batches
+    against ``fit`` with host input (today's default) and resident data at 1, 32 and
+    ``'auto'`` steps per dispatch."""
+    from meshkit import ensemble
+
+    size = mesh.size if members % mesh.size == 0 else 1
+    layout = ensemble.EnsembleLayout(
+        meshkit.make_mesh(f"ensemble={size},data={mesh.size // size}", devices=mesh.devices.flat),
+        members,
+    )
+    source = data.digits("train", image_size=8)
+    model = train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def fresh_state():
+        return ensemble.create_ensemble_state(model, tx, layout)
+
+    step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
+    options = {"global_batch_size": batch, "sharding": layout.batch_sharding, "seed": 0}
+    host = data.TrainPipeline(source, **options)
+    resident = data.TrainPipeline(source, **options, resident=True)
+    placed = [jax.device_put(host.local_batch(k), layout.batch_sharding) for k in range(16)]
+    wait = ON_CPU and mesh.size > 1
+    auto_chose: list[str] = []
+
+    def fit(on: data.TrainPipeline, n: int | Literal["auto"] = 1) -> Callable[[], Measured]:
+        def run() -> Measured:
+            with tempfile.TemporaryDirectory() as workdir:
+                result = train.fit(
+                    fresh_state(),
+                    step,
+                    on,
+                    num_steps=steps,
+                    workdir=workdir,
+                    checkpoints=train.Checkpoints(every=steps),
+                    logging=train.Logging(progress=False),
+                    dispatch=train.Dispatch(steps_per_dispatch=n),
+                )
+            if n == "auto":
+                auto_chose.append(result.dispatch)
+            return Measured((steps - 1) / result.steps_per_second)
+
+        return run
+
+    candidates = {
+        "bare step": lambda: hand_loop(
+            step, fresh_state(), lambda k: placed[k % 16], steps, wait=wait
+        ),
+        "fit": fit(host),
+        "fit resident": fit(resident),
+        "fit resident N=32": fit(resident, 32),
+        "fit resident N=auto": fit(resident, "auto"),
+    }
+    timings = interleave(candidates, rounds=ROUNDS, warmup=1)
+    title = (
+        f"ensemble of {members} tiny MLPs ({layout!r}), batch {batch}, {mesh.size} device(s), "
+        f"{steps} steps a round"
+    )
+    result = report(title, timings, baseline="bare step", unit=f"{steps - 1} steps")
+    result.update(
+        over_bare={key: timings["bare step"].total / t.total for key, t in timings.items()},
+        over_fit={key: timings["fit"].total / t.total for key, t in timings.items()},
+        auto_chose=sorted(set(auto_chose)),
+    )
+    print(
+        "rate / bare step: "
+        + ", ".join(f"{key} {value:.2f}x" for key, value in result["over_bare"].items())
+        + "\nrate / fit (host input): "
+        + ", ".join(f"{key} {value:.2f}x" for key, value in result["over_fit"].items())
+        + f"\nauto chose: {result['auto_chose']}"
+    )
+    return result
+
+
 def placement(mesh, *, image_size: Literal[8, 28], batch: int, calls: int = 300) -> dict:
     """``meshkit.shard_batch`` against a plain ``jax.device_put`` with the same sharding."""
     sharding = meshkit.batch_sharding(mesh)
@@ -209,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn", help="which cases: mlp, cnn or both")
+    parser.add_argument(
+        "--models", default="mlp,cnn,ensemble", help="which cases: mlp, cnn, ensemble"
+    )
     models = parser.parse_args(argv).models.split(",")
     one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
     meshes = [one, meshkit.make_mesh("data=-1")] if ON_CPU and jax.device_count() > 1 else [one]
@@ -226,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
                     mesh=mesh,
                     steps=steps,
                 )
+            )
+        if "ensemble" in models:
+            results.append(
+                ensemble_case(mesh, members=8, batch=64, steps=steps if ON_CPU else 2000)
             )
         if "cnn" not in models:
             continue
