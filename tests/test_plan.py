@@ -242,6 +242,10 @@ def test_plan_ranks_fitting_layouts_and_writes_json_and_png(tmp_path) -> None:  
     assert result.plot(tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
     assert result.best.layout.name in result.table()
     assert result.describe_choice().startswith(f"chosen: {result.best.layout.name}")
+    # a small model's figures in units that show them (they printed as 0.00 GiB, 0.000 s)
+    header = result.table().splitlines()[1]
+    assert "param MiB" in header and ("step µs" in header or "step ms" in header), header
+    assert " 0.00 " not in result.table().splitlines()[3]
 
 
 def test_nothing_fits_names_the_closest_and_its_overshoot() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,15 @@ def plan_table(plan: Plan) -> str:
         f"figures from {plan.reports[0].measurement.compiler}"
     )
     width = max(len("layout"), *(len(report.layout.name) for report in plan.reports))
+    reports = plan.reports
+    byte, per_byte = unit_for([r.measurement.total_bytes for r in reports], BYTE_UNITS)
+    comm, per_comm = unit_for([r.collective_bytes() for r in reports], TRAFFIC_UNITS)
+    flop, per_flop = unit_for([r.measurement.flops for r in reports], FLOP_UNITS)
+    time, per_time = unit_for([r.estimated_step_seconds for r in reports], TIME_UNITS)
     columns = (
-        f"{'#':>2}  {'layout':<{width}} {'fits':<4} {'param GiB':>9} {'optim GiB':>9} "
-        f"{'temp GiB':>9} {'total GiB':>9} {'comm GB':>8} {'TFLOP':>7} {'step s':>8} "
-        f"{'MFU':>5}  bound by"
+        f"{'#':>2}  {'layout':<{width}} {'fits':<4} {f'param {byte}':>9} {f'optim {byte}':>9} "
+        f"{f'temp {byte}':>9} {f'total {byte}':>9} {f'comm {comm}':>8} {flop:>7} "
+        f"{f'step {time}':>8} {'MFU':>5}  bound by"
     )
     lines = [header, columns, "-" * len(columns)]
     if plan.target.compiler == "gpu":  # what is and is not yet checked on XLA:GPU's programs
@@ -45,11 +51,11 @@ def plan_table(plan: Plan) -> str:
         compiled = not m.error
         lines.append(
             f"{rank:>2}  {m.layout.name:<{width}} {'yes' if report.fits else 'NO':<4} "
-            f"{m.params_bytes / GiB:>9.2f} {m.optimizer_bytes / GiB:>9.2f} "
-            f"{m.temp_bytes / GiB:>9.2f} {m.total_bytes / GiB:>9.2f} "
-            f"{_figure(report.collective_bytes() / 1e9, '8.2f', compiled)} "
-            f"{_figure(m.flops / 1e12, '7.1f', compiled)} "
-            f"{_figure(report.estimated_step_seconds, '8.3f', compiled)} "
+            f"{m.params_bytes / per_byte:>9.2f} {m.optimizer_bytes / per_byte:>9.2f} "
+            f"{m.temp_bytes / per_byte:>9.2f} {m.total_bytes / per_byte:>9.2f} "
+            f"{_figure(report.collective_bytes() / per_comm, '8.2f', compiled)} "
+            f"{_figure(m.flops / per_flop, '7.1f', compiled)} "
+            f"{_figure(report.estimated_step_seconds / per_time, '8.3f', compiled)} "
             f"{_figure(report.estimated_mfu, '5.0%', compiled)}  "
             f"{report.bottleneck}"
         )
@@ -58,6 +64,36 @@ def plan_table(plan: Plan) -> str:
         if m.idle_axes:
             notes.append(f"{rank:>2}  {m.layout.name}: {_idle(m)}")
     return "\n".join(lines + notes)
+
+
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+TRAFFIC_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+FLOP_UNITS = (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3))
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+
+
+def unit_for(values: list[float], units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    """The largest of ``units`` in which the largest of ``values`` is at least 0.1 (the
+    smallest unit when none is), so that small models print figures, not zeros.
+
+    Examples:
+        >>> unit_for([3.2 * 2**30, 0.5 * 2**30], BYTE_UNITS)
+        ('GiB', 1073741824)
+        >>> unit_for([1.26e-05, 1.24e-05], TIME_UNITS)
+        ('µs', 1e-06)
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    largest = max(finite, default=0.0)
+    for name, factor in units:
+        if largest / factor >= 0.1:
+            return name, factor
+    return units[-1]
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the unit ``unit_for`` picks, three significant figures."""
+    name, factor = unit_for([seconds], TIME_UNITS)
+    return f"{seconds / factor:.3g} {name}"
 
 
 ACTIVATION_NAMES = ("batch", "length")
@@ -116,11 +152,11 @@ def describe_choice(plan: Plan) -> str:
     versus = (
         ""
         if runner_up is None
-        else f"; next best {runner_up.layout.name} at {runner_up.estimated_step_seconds:.3g} s"
+        else f"; next best {runner_up.layout.name} at {_duration(runner_up.estimated_step_seconds)}"
     )
     return (
         f"chosen: {best.layout.name} - fits with {spare:.2f} GiB to spare, estimated "
-        f"{best.estimated_step_seconds:.3g} s per step (bound by {best.bottleneck}), "
+        f"{_duration(best.estimated_step_seconds)} per step (bound by {best.bottleneck}), "
         f"MFU {best.estimated_mfu:.0%}{versus}"
     )
 
