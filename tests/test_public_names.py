@@ -1,4 +1,5 @@
-"""Every public name has a reason: a docstring, an entry in the API docs, and a budget.
+"""Every public name has a reason: a docstring, an entry in the API docs, a use (a recipe,
+a benchmark, the docs' prose) or a stated reason, and a budget.
 
 A face is a public package's ``__init__.py`` or a public module users import names
 from (``meshkit.distributed``). Its public names are what it re-exports with
@@ -158,3 +159,78 @@ def test_every_public_name_is_in_the_api_docs(face):
     assert not missing, (
         f"{face}: public names not mentioned in docs/api/*.md (as {face}.<name>): {missing}"
     )
+
+
+USED_WHERE = ("recipes", "benchmarks", "docs", "README.md")
+"""Where a public name shows why it is public: a recipe or benchmark uses it, or the
+docs' prose (not only the API pages) show it."""
+
+REASONS: dict[str, str] = {
+    # Types a user's own functions are annotated with (the API pages document them).
+    "meshkit.PerExampleFn": "the type of full_eval's per-example function",
+    "meshkit.data.Transform": "the type of a TrainPipeline transform",
+    "meshkit.data.EvalTransform": "the type of an EvalPipeline transform",
+    "meshkit.ensemble.MemberLossFn": "the type of an ensemble member's loss",
+    "meshkit.lbfgs.PerExampleLoss": "the type of the solver's per-example loss",
+    "meshkit.lbfgs.L2Mask": "the type of the L2 mask argument",
+    "meshkit.train.LossFn": "the type of a train step's loss function",
+    "meshkit.train.Hook": "the type of fit's hooks",
+    "meshkit.train.Gradients": "what gradients() returns to a custom step",
+    # Results a call returns: users read their fields.
+    "meshkit.evaluate.EvalResult": "what full_eval returns",
+    "meshkit.plan.Plan": "what plan() returns",
+    "meshkit.plan.LayoutReport": "one row of a Plan",
+    "meshkit.plan.Measurement": "a LayoutReport's compiled figures",
+    "meshkit.plan.Accelerator": "the entries of ACCELERATORS",
+    "meshkit.plan.NoLayoutFitsError": "what Plan.best raises, to catch",
+    "meshkit.sweep.SweepResult": "what run_sweep returns",
+    "meshkit.sweep.Trial": "a SweepResult's rows",
+    # Models by name: recipes reach them through meshkit.models.MODELS.
+    "meshkit.models.ResNet18": "--model resnet18 of the image recipe, through MODELS",
+    "meshkit.models.ResNet34": "the ResNet family beside ResNet18 and ResNet50",
+    "meshkit.models.ResNet50": "--model resnet50, through MODELS",
+    "meshkit.models.BasicBlock": "the block of ResNet18/34, for a ResNet of one's own",
+    "meshkit.models.Bottleneck": "the block of ResNet50, for a ResNet of one's own",
+    "meshkit.models.ViTTiny": "--model vit_tiny, through MODELS",
+    "meshkit.models.ViTSmall": "--model vit_small, through MODELS",
+    "meshkit.models.dot_product_attention": "the attention the models call, for one's own",
+    # Data a user writes or reads with their own files.
+    "meshkit.data.encode_image_record": "writes one image record of one's own data",
+    "meshkit.data.text_windows": "a language model's windows over one's own text",
+    "meshkit.testing.write_cifar10": "a stand-in dataset in the real file format, for tests",
+    "meshkit.testing.write_cifar100": "a stand-in dataset in the real file format, for tests",
+    "meshkit.testing.write_mnist": "a stand-in dataset in the real file format, for tests",
+    # Training pieces for a loop of one's own.
+    "meshkit.ensemble.classification_values": "per-example values of a member's loss",
+    "meshkit.train.init_state_from_key": "a train state from a key, inside one's own jit",
+    "meshkit.train.JsonlWriter": "fit's default writer, to pass beside others",
+}
+"""Names used nowhere in ``USED_WHERE``, each with the reason it is public."""
+
+
+def _used_texts() -> list[str]:
+    repo = ROOT.parent
+    texts = []
+    for where in USED_WHERE:
+        path = repo / where
+        files = [path] if path.is_file() else [*path.rglob("*.py"), *path.rglob("*.md")]
+        texts += [f.read_text() for f in files if "api" not in f.relative_to(repo).parts]
+    return texts
+
+
+def test_every_public_name_is_used_or_has_a_stated_reason() -> None:
+    texts = _used_texts()
+    names = [f"{face}.{name}" for face in package_faces() for name in public_names(face)]
+    unused = [
+        name
+        for name in names
+        if not any(re.search(rf"\b{re.escape(name.rsplit('.', 1)[1])}\b", t) for t in texts)
+    ]
+    unexplained = sorted(set(unused) - set(REASONS))
+    assert not unexplained, (
+        f"public names no recipe, benchmark or docs page (beyond the API pages) uses: "
+        f"{unexplained}. Use them there, make them private, or state why in REASONS."
+    )
+    stale = sorted(set(REASONS) - set(unused))
+    assert not stale, f"REASONS for names now used, or no longer public: {stale}"
+    assert len(names) <= 180, f"{len(names)} public names, over the issue's ceiling of 180"

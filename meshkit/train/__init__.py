@@ -1,8 +1,8 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
 from meshkit._inflight import InFlight as InFlight
-from meshkit._runtime import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
-from meshkit._runtime import PreemptionWatcher as PreemptionWatcher
+from meshkit._runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from meshkit._runtime.preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
