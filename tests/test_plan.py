@@ -119,6 +119,20 @@ def test_replica_group_formats() -> None:
     mesh_form = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}"
     assert groups(mesh_form) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups("replica_groups={}") == [list(range(8))]
+    # XLA:GPU names the device at each mesh position (an iota, transposed): here the
+    # 'axis_0' groups are the same device blocks as the explicit form's {0,1},{2,3}...
+    gpu_form = "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}"
+    assert groups(gpu_form) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_an_asynchronous_reduce_scatter_counts_what_it_reduces_once() -> None:
+    line = (
+        "  %rs = ((bf16[2048,64]{1,0}), (bf16[256,64]{1,0})) reduce-scatter-start(%g), "
+        "replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add"
+    )
+    (instruction,) = _hlo._instructions([line])
+    # the whole array it reduces: not its operands and outputs together, times the group
+    assert _hlo._payload(instruction, "reduce-scatter", 8) == 2048 * 64 * 2
 
 
 def _lm_workload(*, scan_layers: bool) -> planning.Workload:

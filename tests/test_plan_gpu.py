@@ -40,7 +40,7 @@ def plan(tmp_path: Path, compiler: str) -> tuple[dict, str]:
 def test_xla_gpu_plans_compile_only_h100s_beside_xla_cpu(tmp_path: Path) -> None:
     gpu, said = plan(tmp_path, "gpu")
     cpu, _ = plan(tmp_path, "cpu")
-    assert "figures from XLA:GPU (compile-only)" in said and "not yet checked" in said
+    assert "figures from XLA:GPU (compile-only)" in said and "no cost analysis" in said
     assert "Traceback" not in said  # the plugin's CUDA check is skipped without GPUs
     assert gpu["fits"] and gpu.get("error") is None
     # the same state and batch: parameter and optimizer bytes are exact either way

@@ -373,12 +373,21 @@ def _groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
         found = re.findall(r"\{(\d+),(\d+)\}", pairs.group(0)) if pairs else []
         return [[int(a), int(b)] for a, b in found if a != b]
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    mesh = re.search(
+        r"replica_groups=mesh\[([^\]]*)\]"
+        r"(?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}",
+        rest,
+    )
     if mesh:
         axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
         names, sizes = [n for n, _ in axes], [int(s) for _, s in axes]
-        chosen = [names.index(n) for n in re.findall(r"'(\w+)'", mesh.group(2))]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        chosen = [names.index(n) for n in re.findall(r"'(\w+)'", mesh.group(4))]
+        ids = np.arange(math.prod(sizes))
+        if mesh.group(2):  # the mesh's positions hold these device ids (XLA:GPU writes them)
+            ids = ids.reshape([int(d) for d in mesh.group(2).split(",")])
+            if mesh.group(3):
+                ids = ids.transpose([int(p) for p in mesh.group(3).split(",")])
+        ids = ids.reshape(sizes)
         others = [axis for axis in range(len(sizes)) if axis not in chosen]
         size = math.prod(sizes[axis] for axis in chosen)
         return ids.transpose(others + chosen).reshape(-1, size).tolist()
@@ -401,8 +410,8 @@ def _groups(instruction: Instruction, num_devices: int) -> list[list[int]]:
 
 def _payload(instruction: Instruction, kind: str, group_size: int) -> int:
     arrays = _ARRAY.findall(instruction.shape)
-    if instruction.opcode == "all-gather-start":  # ((operands...), (outputs...))
-        arrays = arrays[len(arrays) // 2 :]
+    if instruction.opcode in ("all-gather-start", "reduce-scatter-start"):
+        arrays = arrays[len(arrays) // 2 :]  # ((operands...), (outputs...)): the outputs
     elif instruction.opcode == "collective-permute-start":  # (operand, output, contexts)
         arrays = arrays[1:2]
     size = sum(array_bytes(f"{dtype}[{dims}]") for dtype, dims in arrays)

@@ -15,9 +15,8 @@ Plan = Any
 
 
 GPU_CAVEAT = (
-    "XLA:GPU without a GPU: memory as XLA:GPU assigns it, FLOPs counted from its products; "
-    "its collective traffic (and so comm GB and step s) is not yet checked against a hand "
-    "count: compare memory (docs/planning.md)"
+    "XLA:GPU without a GPU: memory as XLA:GPU assigns it, collectives from its program, "
+    "FLOPs counted from its products (no cost analysis without a GPU; docs/planning.md)"
 )
 
 
@@ -43,7 +42,7 @@ def plan_table(plan: Plan) -> str:
         f"{f'step {time}':>8} {'MFU':>5}  bound by"
     )
     lines = [header, columns, "-" * len(columns)]
-    if plan.target.compiler == "gpu":  # what is and is not yet checked on XLA:GPU's programs
+    if plan.target.compiler == "gpu":  # where the figures come from, on XLA:GPU
         lines.insert(1, GPU_CAVEAT)
     notes = []
     for rank, report in enumerate(plan.reports, 1):
