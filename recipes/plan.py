@@ -3,7 +3,8 @@
 Command (no arguments: a 1.3B-parameter Transformer, 24 layers of width 2048, context
 2048, a global batch of 256 sequences, AdamW, bf16 compute; planned for 8 nodes of 8
 H100s and for a v5e-256 pod, each as fake CPU devices, or for the v5e through the TPU
-compiler itself when libtpu is installed: ``pip install "meshkit[tpu]"``)::
+compiler itself when libtpu is installed: ``pip install "meshkit[tpu]"``, and for the
+H100s through XLA:GPU when JAX's CUDA plugin is: ``pip install "meshkit[gpu-plan]"``)::
 
     python -m recipes.plan
 
@@ -78,6 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is here, to compile for the H100s with XLA:GPU."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace: no plugin at all
+        return False
+
+
 def remat_names(text: str) -> list[str]:
     """``"none,nothing_saveable"`` -> the names, each a ``RematPolicy``."""
     names = [name for name in text.split(",") if name]
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshkit import plan
 
     tpu = importlib.util.find_spec("libtpu") is not None
+    gpu = cuda_plugin_installed()
     for name in targets:
         spec = TARGETS[name]
         on_tpu = tpu and spec["accelerator"] == "v5e"
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             spec["accelerator"],
             spec["devices"],
             spec["slices"],
-            compiler="tpu" if on_tpu else "cpu",
+            compiler="tpu" if on_tpu else "gpu" if gpu and spec["accelerator"] == "h100" else "cpu",
             topology="v5e:16x16" if on_tpu else None,
         )
         layouts = plan.candidate_layouts(
