@@ -624,7 +624,7 @@ def test_a_model_axis_that_shards_nothing_is_marked_and_ranked_after(tmp_path) -
         planning.Layout({"data": 1, "model": 8}, precision="f32"),  # no logical names: idle
         planning.Layout({"data": 8}, precision="f32"),
     ]
-    result = planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+    result = planning.plan(_mlp_workload(), layouts, TARGET, progress=False, keep_idle=True)
     idle, used = (next(r for r in result.reports if r.layout is layout) for layout in layouts)
     assert idle.measurement.idle_axes == ("model",) and used.measurement.idle_axes == ()
     assert idle.measurement.params_bytes == used.measurement.params_bytes  # nothing sharded
@@ -632,6 +632,11 @@ def test_a_model_axis_that_shards_nothing_is_marked_and_ranked_after(tmp_path) -
     assert "model=8 shards no parameter, so its devices repeat the same work" in result.table()
     record = json.loads(result.write_json(tmp_path / "plan.json").read_text())["layouts"][-1]
     assert record["idle_axes"] == ["model"]
+    # by default the search leaves such a layout out, and says so
+    default = planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+    assert [r.layout.name for r in default.reports] == ["data=8"]
+    assert default.dropped == ("data=1,model=8",)
+    assert "left out: data=1,model=8: a model axis that shards no parameter" in default.table()
 
 
 @pytest.mark.once(8)

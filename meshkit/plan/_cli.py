@@ -96,6 +96,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument("--png", type=Path, help="write bytes per device per layout as a PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--keep-idle",
+        action="store_true",
+        help="keep the layouts whose model axis shards no parameter (marked; left out by default)",
+    )
     return p
 
 
@@ -179,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not layouts:
         raise SystemExit(_no_layouts(args))
     try:
-        result = plan(workload, layouts, target, progress=not args.quiet)
+        result = plan(workload, layouts, target, progress=not args.quiet, keep_idle=args.keep_idle)
     except ValueError as error:  # a workload whose step cannot be traced: the cause, one line
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise SystemExit(f"{args.workload or args.model}: {first}") from None

@@ -159,10 +159,14 @@ class Plan:
       target: the hardware planned for.
       reports: one per candidate: the layouts that fit by estimated step time, then
         those that do not by how far they overshoot.
+      dropped: the layouts left out because an axis of theirs that is not a data axis
+        shards no parameter (their devices would repeat the same work); ``plan(...,
+        keep_idle=True)`` keeps them, marked.
     """
 
     target: Target
     reports: tuple[LayoutReport, ...]
+    dropped: tuple[str, ...] = ()
 
     @property
     def best(self) -> LayoutReport:
@@ -206,6 +210,7 @@ class Plan:
                 "hbm_bytes": chip.hbm_bytes,
             },
             "layouts": [report.to_json() for report in self.reports],
+            "dropped": list(self.dropped),
         }
 
 
@@ -241,8 +246,7 @@ def _rank_key(report: LayoutReport) -> tuple[bool, bool, float]:
     compile for another reason than memory."""
     m = report.measurement
     if report.fits:
-        wasted = any(axis not in m.layout.data_axes for axis in m.idle_axes)
-        return (False, wasted, report.estimated_step_seconds)
+        return (False, _wastes_an_axis(m), report.estimated_step_seconds)
     unknown = bool(m.error) and "for memory" not in m.error
     return (True, unknown, m.total_bytes - report.capacity_bytes)
 
@@ -254,6 +258,7 @@ def plan(
     *,
     progress: bool = True,
     on_report: Callable[[LayoutReport], None] | None = None,
+    keep_idle: bool = False,
 ) -> Plan:
     """Compiles every candidate layout for the target, without allocating, and ranks them.
 
@@ -268,6 +273,9 @@ def plan(
       target: the accelerator, how many, and in how many slices.
       progress: show a progress bar over the candidates.
       on_report: called with each report as soon as its layout is compiled.
+      keep_idle: keep the layouts whose model axis shards no parameter (marked, ranked
+        after the others); by default they are dropped and named in ``Plan.dropped``
+        (unless no other layout fits).
 
     Returns:
       A ``Plan``: ``plan.best`` is the fastest layout that fits.
@@ -293,7 +301,17 @@ def plan(
         compiled = [m.flops for m in measurements if not m.error]
         model_flops = min(compiled) * target.devices if compiled else float("nan")
     reports = [estimate(m, target, model_flops) for m in measurements]
-    return Plan(target, tuple(sorted(reports, key=_rank_key)))
+    wasted = [r for r in reports if _wastes_an_axis(r.measurement)]
+    if keep_idle or not any(r.fits for r in reports if r not in wasted):
+        wasted = []  # asked for, or nothing else fits: kept, marked and ranked last
+    kept = [r for r in reports if r not in wasted]
+    dropped = tuple(r.layout.name for r in wasted)
+    return Plan(target, tuple(sorted(kept, key=_rank_key)), dropped)
+
+
+def _wastes_an_axis(m: Measurement) -> bool:
+    """Whether an axis of the layout that is not a data axis shards no parameter."""
+    return any(axis not in m.layout.data_axes for axis in m.idle_axes)
 
 
 def _say_resharding(measurements: Sequence[Measurement]) -> None:

@@ -62,6 +62,11 @@ def plan_table(plan: Plan) -> str:
             notes.append(f"{rank:>2}  {m.layout.name}: {m.error}")
         if m.idle_axes:
             notes.append(f"{rank:>2}  {m.layout.name}: {_idle(m)}")
+    if plan.dropped:
+        notes.append(
+            f"left out: {', '.join(plan.dropped)}: a model axis that shards no parameter, so "
+            "its devices would repeat the same work (keep_idle=True, or --keep-idle, lists them)"
+        )
     return "\n".join(lines + notes)
 
 
