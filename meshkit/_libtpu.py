@@ -68,17 +68,21 @@ CUDA_PLUGIN = "jax_plugins.xla_cuda12"
 """The module of JAX's CUDA plugin, which ``meshkit[gpu-plan]`` installs for XLA:GPU plans."""
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is installed (it needs no GPU to describe one)."""
+    try:
+        return importlib.util.find_spec(CUDA_PLUGIN) is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
 def quiet_cuda_plugin_without_gpus(environ: MutableMapping[str, str] | None = None) -> bool:
     """With JAX's CUDA plugin installed and no NVIDIA GPU (``/dev/nvidia0``...), skips the
     plugin's check of the CUDA libraries, which fails there with a 20-line traceback at
     every JAX start (planning needs none of them); returns whether it did. A variable
     already set is left as it is."""
     environ = os.environ if environ is None else environ
-    try:
-        installed = importlib.util.find_spec(CUDA_PLUGIN) is not None
-    except ModuleNotFoundError:  # no jax_plugins namespace at all
-        installed = False
-    if not installed or any(Path("/dev").glob("nvidia[0-9]*")):
+    if not cuda_plugin_installed() or any(Path("/dev").glob("nvidia[0-9]*")):
         return False
     environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     return True

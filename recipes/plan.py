@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, get_args
 
+from meshkit._libtpu import cuda_plugin_installed
 from meshkit.models import RematPolicy, llama_architecture
 from recipes._args import recipe_parser
 
@@ -77,14 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.remat = [name for names in args.remat for name in names]
     return args
-
-
-def cuda_plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin is here, to compile for the H100s with XLA:GPU."""
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins namespace: no plugin at all
-        return False
 
 
 def remat_names(text: str) -> list[str]:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.plan._cuda import plugin_installed
+from meshkit._libtpu import cuda_plugin_installed
 
 pytestmark = [
     pytest.mark.gpu_plan,
     pytest.mark.skipif(
-        not plugin_installed(),
+        not cuda_plugin_installed(),
         reason='needs JAX\'s CUDA plugin: nox -s plan_gpu (pip install "meshkit[gpu-plan]")',
     ),
 ]

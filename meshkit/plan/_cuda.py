@@ -18,10 +18,9 @@ programming guide, "Compute Capabilities").
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from typing import Any
 
-from meshkit._libtpu import CUDA_PLUGIN
+from meshkit._libtpu import cuda_plugin_installed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +86,6 @@ def target_config(chip: GpuProperties) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin is installed (it needs no GPU to describe one)."""
-    try:
-        return importlib.util.find_spec(CUDA_PLUGIN) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def gpu_devices(accelerator: str, devices: int, slices: int) -> list[Any]:
     """``devices`` compile-only GPUs of kind ``accelerator``, ``slices`` nodes of them."""
     if accelerator not in GPUS:
@@ -102,7 +93,7 @@ def gpu_devices(accelerator: str, devices: int, slices: int) -> list[Any]:
             f"compiler='gpu' knows the GPUs {sorted(GPUS)}, not {accelerator!r}; plan "
             "it with compiler='cpu'."
         )
-    if not plugin_installed():
+    if not cuda_plugin_installed():
         raise RuntimeError(
             "compiler='gpu' compiles with XLA:GPU through JAX's CUDA plugin, which is not "
             'installed: pip install "meshkit[gpu-plan]" (jax-cuda12-plugin at the '
