@@ -85,6 +85,24 @@ def hand_loop(
     return Measured(time.perf_counter() - started)
 
 
+def fit_once(
+    state: Any, step: Callable[..., Any], pipeline: data.TrainPipeline, *, steps: int, n: Any
+) -> train.FitResult:
+    """One ``fit`` run of ``steps`` steps in a fresh workdir: one checkpoint (the last
+    step), no progress bar, ``n`` steps per dispatch."""
+    with tempfile.TemporaryDirectory() as workdir:
+        return train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=steps,
+            workdir=workdir,
+            checkpoints=train.Checkpoints(every=steps),
+            logging=train.Logging(progress=False),
+            dispatch=train.Dispatch(steps_per_dispatch=n),
+        )
+
+
 def case(
     name: str, module: nn.Module, *, image_size: Literal[8, 28], batch: int, mesh, steps: int
 ) -> dict:
@@ -122,17 +140,7 @@ def case(
         on: data.TrainPipeline, steps_per_dispatch: int | Literal["auto"] = 1
     ) -> Callable[[], Measured]:
         def run() -> Measured:
-            with tempfile.TemporaryDirectory() as workdir:
-                result = train.fit(
-                    fresh_state(),
-                    step,
-                    on,
-                    num_steps=steps,
-                    workdir=workdir,
-                    checkpoints=train.Checkpoints(every=steps),
-                    logging=train.Logging(progress=False),
-                    dispatch=train.Dispatch(steps_per_dispatch=steps_per_dispatch),
-                )
+            result = fit_once(fresh_state(), step, on, steps=steps, n=steps_per_dispatch)
             fit_stats["input_wait_fraction"].append(result.input_wait_fraction)
             fit_stats["compiles"].append(result.train_step_compiles)
             if steps_per_dispatch == "auto":
@@ -210,17 +218,7 @@ def ensemble_case(mesh, *, members: int, batch: int, steps: int) -> dict:
 
     def fit(on: data.TrainPipeline, n: int | Literal["auto"] = 1) -> Callable[[], Measured]:
         def run() -> Measured:
-            with tempfile.TemporaryDirectory() as workdir:
-                result = train.fit(
-                    fresh_state(),
-                    step,
-                    on,
-                    num_steps=steps,
-                    workdir=workdir,
-                    checkpoints=train.Checkpoints(every=steps),
-                    logging=train.Logging(progress=False),
-                    dispatch=train.Dispatch(steps_per_dispatch=n),
-                )
+            result = fit_once(fresh_state(), step, on, steps=steps, n=n)
             if n == "auto":
                 auto_chose.append(result.dispatch)
             return Measured((steps - 1) / result.steps_per_second)

@@ -33,16 +33,27 @@ def labels_outside_classes(state: Any, pipeline: Any, data_step: int) -> str | N
     that is no class of the model, or the first token id outside its vocabulary; ``None``
     when there is none (or the batch has neither field, or the check cannot tell)."""
     with contextlib.suppress(Exception):  # a diagnosis must never hide the real error
-        return _diagnose(state, pipeline, data_step) or _tokens(state, pipeline, data_step)
+        batch = pipeline.local_batch(data_step)  # read (and transformed) once, for both
+        if not isinstance(batch, dict):
+            return None
+        return _labels(state, pipeline, data_step, batch) or _tokens(
+            state, pipeline, data_step, batch
+        )
     return None
 
 
-def _tokens(state: Any, pipeline: Any, data_step: int) -> str | None:
-    batch = pipeline.local_batch(data_step)
-    if not isinstance(batch, dict) or TOKENS_FIELD not in batch:
+def _integer_field(batch: dict[str, Any], field: str, ndim: int) -> np.ndarray | None:
+    """``batch[field]`` when it is a non-empty integer array of ``ndim`` dimensions."""
+    if field not in batch:
         return None
-    tokens = np.asarray(batch[TOKENS_FIELD])
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or not tokens.size:
+    values = np.asarray(batch[field])
+    integer = np.issubdtype(values.dtype, np.integer)
+    return values if values.ndim == ndim and integer and values.size else None
+
+
+def _tokens(state: Any, pipeline: Any, data_step: int, batch: dict[str, Any]) -> str | None:
+    tokens = _integer_field(batch, TOKENS_FIELD, ndim=2)
+    if tokens is None:
         return None
     vocabulary = _model_width(state, jax.ShapeDtypeStruct((1, 1), tokens.dtype), rank=3)
     bad = tokens < 0
@@ -70,12 +81,9 @@ def _where(pipeline: Any, data_step: int, row: int) -> tuple[int, int]:
     return global_position % pipeline.global_batch_size, index
 
 
-def _diagnose(state: Any, pipeline: Any, data_step: int) -> str | None:
-    batch = pipeline.local_batch(data_step)
-    if not isinstance(batch, dict) or LABEL_FIELD not in batch:
-        return None
-    labels = np.asarray(batch[LABEL_FIELD])
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or not labels.size:
+def _labels(state: Any, pipeline: Any, data_step: int, batch: dict[str, Any]) -> str | None:
+    labels = _integer_field(batch, LABEL_FIELD, ndim=1)
+    if labels is None:
         return None
     classes = _model_classes(state, batch.get(IMAGE_FIELD))
     bad = labels < 0
