@@ -132,7 +132,11 @@ def case(
         return hand_loop(step, fresh_state(), next_batch, steps, wait=wait)
 
     resident = data.TrainPipeline(
-        source, global_batch_size=batch, sharding=sharding, seed=0, resident=True
+        source,
+        global_batch_size=batch,
+        sharding=sharding,
+        seed=0,
+        input_settings=data.InputSettings(resident=True),
     )
     auto_chose: list[str] = []
 
@@ -211,7 +215,9 @@ def ensemble_case(mesh, *, members: int, batch: int, steps: int) -> dict:
     step = ensemble.make_ensemble_step(ensemble.classification_loss, layout)
     options = {"global_batch_size": batch, "sharding": layout.batch_sharding, "seed": 0}
     host = data.TrainPipeline(source, **options)
-    resident = data.TrainPipeline(source, **options, resident=True)
+    resident = data.TrainPipeline(
+        source, **options, input_settings=data.InputSettings(resident=True)
+    )
     placed = [jax.device_put(host.local_batch(k), layout.batch_sharding) for k in range(16)]
     wait = ON_CPU and mesh.size > 1
     auto_chose: list[str] = []

@@ -33,6 +33,7 @@ one batch first (start-up: threads, worker processes; reported apart), then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import io
 import math
@@ -125,20 +126,22 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
         trained, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, scale=SCALE
     )
     default = image.input_settings(trained)
-    settings: dict[str, dict[str, Any]] = {
-        "threads=0": {"num_threads": 0},
-        "threads=2": {"num_threads": 2},
+    settings: dict[str, tuple[data.InputSettings, Any]] = {
+        "threads=0": (data.InputSettings(num_threads=0), transform),
+        "threads=2": (data.InputSettings(num_threads=2), transform),
     }
-    settings |= {f"workers={n}": {"worker_count": n} for n in workers if n > 0}
+    settings |= {
+        f"workers={n}": (data.InputSettings(worker_count=n), transform) for n in workers if n > 0
+    }
     # The host default is one of the candidates: the same settings measured once, under
     # both names (two runs of one setting differed by 15% in one run, which is noise).
-    same = [name for name, kwargs in settings.items() if _same_settings(kwargs, default)]
+    same = [name for name, (chosen, _) in settings.items() if _same_settings(chosen, default)]
     if same:
         settings[f"{same[0]} = host default"] = settings.pop(same[0])
     else:
-        settings["host default"] = default
+        settings["host default"] = (default, transform)
     if trained < image.DECODE_BOUND_SIDE:  # the recipe augments small images on the device
-        settings["decode only"] = {**default, "transform": image.decode_transform(trained)}
+        settings["decode only"] = (default, image.decode_transform(trained))
     candidates: dict[str, tuple[Callable[[int], tuple[float, float]], int]] = {
         name: (
             pipeline_run(
@@ -146,12 +149,13 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
                     source,
                     global_batch_size=BATCH,
                     sharding=sharding,
-                    **({"transform": transform} | kwargs),  # pyright: ignore[reportArgumentType]
+                    transform=chosen_transform,
+                    input_settings=chosen,
                 )
             ),
             1,
         )
-        for name, kwargs in settings.items()
+        for name, (chosen, chosen_transform) in settings.items()
     }
     for k in members:
         layout = EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), k)
@@ -161,17 +165,18 @@ def pipelines(source: Any, trained: int, workers: list[int], members: list[int])
             global_batch_size=BATCH,
             sharding=layout.batch_sharding,
             transform=transform,
-            num_threads=default["num_threads"],
-            worker_count=default["worker_count"],
+            input_settings=default,
         )
         candidates[f"members={k}"] = (pipeline_run(pipeline), k)
     return candidates
 
 
-def _same_settings(kwargs: dict[str, Any], default: dict[str, int]) -> bool:
-    """Whether ``kwargs`` builds the pipeline ``default`` does (unset counts as 0)."""
-    keys = ("num_threads", "worker_count")
-    return all(int(kwargs.get(key, 0)) == int(default.get(key, 0)) for key in keys)
+def _same_settings(settings: Any, default: Any) -> bool:
+    """Whether two ``InputSettings`` build the same pipeline (unset threads count as 0)."""
+    return (settings.num_threads or 0, settings.worker_count) == (
+        default.num_threads or 0,
+        default.worker_count,
+    )
 
 
 def host_default_row(rows: dict[str, Any]) -> str:
@@ -321,7 +326,7 @@ def main() -> None:
                 "one_core_limit_images_per_second": one_core,
                 "limit_images_per_second": limit,
                 "default_images_per_second": default["images_per_s"],
-                "default_settings": image.input_settings(trained),
+                "default_settings": dataclasses.asdict(image.input_settings(trained)),
                 "default_augmentation": "device" if small else "host",
                 "host_default_images_per_second": rows[host_row]["images_per_s"],
                 "host_default_row": host_row,

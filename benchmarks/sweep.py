@@ -91,27 +91,32 @@ class Bench:
         data on the devices and ``steps_per_dispatch='auto'``."""
         layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=-1,data=1"), len(self.points))
         with tempfile.TemporaryDirectory() as workdir:
-            result = sweep.run_sweep(
+            experiment = sweep.Sweep(
                 self.model,
                 optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
                 ensemble.classification_loss,
                 layout,
                 self.points,
+                space=self.space,
+            )
+            result = sweep.run_sweep(
+                experiment,
                 pipeline=sweep.sweep_pipeline(
                     self.train_source,
                     self.points,
                     layout,
                     global_batch_size=BATCH_SIZE,
-                    resident=resident,
+                    input_settings=data.InputSettings(resident=resident),
                 ),
-                eval_pipeline=data.EvalPipeline(
-                    self.test_source,
-                    global_batch_size=EVAL_BATCH_SIZE,
-                    sharding=layout.batch_sharding,
+                evaluation=train.Evaluation(
+                    data.EvalPipeline(
+                        self.test_source,
+                        global_batch_size=EVAL_BATCH_SIZE,
+                        sharding=layout.batch_sharding,
+                    )
                 ),
                 num_steps=steps,
                 workdir=workdir,
-                space=self.space,
                 logging=train.Logging(progress=False),
                 dispatch=train.Dispatch(steps_per_dispatch="auto" if resident else 1),
             )

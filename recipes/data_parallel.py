@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             sharding=batch_sharding,
             seed=args.seed,
             transform=(lambda r, rng: to_float(r)) if to_device and not resident else None,
-            resident=resident,
+            input_settings=data.InputSettings(resident=resident),
         )
     eval_pipeline = data.EvalPipeline(
         test_source,

@@ -145,8 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--augment device, or --input host."
         )
     settings = image.input_settings(args.image_size)
-    args.threads = settings["num_threads"] if args.threads is None else args.threads
-    args.workers = settings["worker_count"] if args.workers is None else args.workers
+    args.threads = settings.num_threads if args.threads is None else args.threads
+    args.workers = settings.worker_count if args.workers is None else args.workers
     return args
 
 
@@ -208,17 +208,18 @@ def main(argv: list[str] | None = None) -> int:
             sharding=batch_sharding,
             seed=args.seed,
             transform=transform,
-            num_threads=args.threads,
-            worker_count=0 if resident else args.workers,
-            resident=resident,
+            input_settings=data.InputSettings(
+                num_threads=args.threads,
+                worker_count=0 if resident else args.workers,
+                resident=resident,
+            ),
         )
         eval_pipeline = data.EvalPipeline(
             test_source,
             global_batch_size=args.batch_size,
             sharding=batch_sharding,
             transform=image.eval_transform(args.image_size, crop_fraction=1.0, mean=mean, std=std),
-            num_threads=args.threads,
-            resident=resident,
+            input_settings=data.InputSettings(num_threads=args.threads, resident=resident),
         )
     module = ARCHITECTURES[args.model](
         num_classes=train_source.num_classes, **architecture_options(args)

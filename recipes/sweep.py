@@ -154,25 +154,28 @@ def main(argv: list[str] | None = None) -> int:
             layout,
             global_batch_size=args.batch_size,
             seed=args.seed,
-            resident=args.input == "resident",
+            input_settings=data.InputSettings(resident=args.input == "resident"),
         )
-    result = sweep.run_sweep(
+    experiment = sweep.Sweep(
         train.linen_model(MnistCNN(), jnp.zeros((1, 8, 8, 1))),
         optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
         ensemble.classification_loss,
         layout,
         points,
-        pipeline=pipeline,
-        eval_pipeline=data.EvalPipeline(
-            test_source, global_batch_size=128, sharding=layout.batch_sharding
-        ),
-        num_steps=args.steps,
-        workdir=args.workdir,
         schedule=schedule,
         space=space,
         seed=args.seed,
         precision=args.precision,
         microbatches=args.microbatches,
+    )
+    result = sweep.run_sweep(
+        experiment,
+        pipeline=pipeline,
+        evaluation=train.Evaluation(
+            data.EvalPipeline(test_source, global_batch_size=128, sharding=layout.batch_sharding)
+        ),
+        num_steps=args.steps,
+        workdir=args.workdir,
         logging=train.Logging(progress=not args.no_progress),
         dispatch=train.Dispatch(steps_per_dispatch=args.steps_per_dispatch),
     )

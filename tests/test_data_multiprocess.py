@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator, TrainPipeline
+from meshkit.data import (
+    ArraySource,
+    EvalPipeline,
+    GlobalBatchIterator,
+    InputSettings,
+    TrainPipeline,
+)
 from meshkit.testing import run_processes
 
 pytestmark = pytest.mark.multiprocess
@@ -111,7 +117,7 @@ def first_batches_with(worker_count: int) -> list[np.ndarray]:
         sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
         seed=11,
         transform=augment,
-        worker_count=worker_count,
+        input_settings=InputSettings(worker_count=worker_count),
     )
     stream = iter(pipeline.dataset(start_step=2))
     return [next(stream)["x"] for _ in range(4)]

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit.data import ArraySource, EvalPipeline, GlobalBatchIterator, TrainPipeline
+from meshkit.data import (
+    ArraySource,
+    EvalPipeline,
+    GlobalBatchIterator,
+    InputSettings,
+    TrainPipeline,
+)
 
 
 def make_source(n: int = 100) -> ArraySource:
@@ -243,7 +249,9 @@ def test_eval_pipeline_refuses_a_source_that_grew_or_shrank():
         ), message
         assert "Growing(13)" in message and "build a new pipeline" in message
     source.x = source.x[:10]
-    unthreaded = EvalPipeline(source, global_batch_size=8, sharding=sharding, num_threads=0)
+    unthreaded = EvalPipeline(
+        source, global_batch_size=8, sharding=sharding, input_settings=InputSettings(num_threads=0)
+    )
     batches = unthreaded.local_batches()  # built one by one as asked: none built ahead
     next(batches)
     source.x = source.x[:9]  # shrinks mid-pass: refused before the next batch is built
@@ -283,13 +291,19 @@ def jitter(record, rng):
 def test_per_example_batches_do_not_depend_on_threads_or_read_path(kind):
     def make(source, num_threads):
         if kind == "train":
-            return pipeline(source, batch=16, seed=3, transform=jitter, num_threads=num_threads)
+            return pipeline(
+                source,
+                batch=16,
+                seed=3,
+                transform=jitter,
+                input_settings=InputSettings(num_threads=num_threads),
+            )
         return EvalPipeline(
             source,
             global_batch_size=16,
             sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
             transform=lambda record: {"x": record["x"] * 2, "y": record["y"]},
-            num_threads=num_threads,
+            input_settings=InputSettings(num_threads=num_threads),
         )
 
     reference = make(make_source(), 0)
@@ -324,7 +338,9 @@ def test_a_transform_that_maps_labels_out_of_the_classes_names_the_example(threa
     source = ArraySource(
         {"x": np.arange(40, dtype=np.float32), "label": np.arange(40) % 10}, num_classes=10
     )
-    bad = pipeline(source, batch=8, transform=shift_label, num_threads=threads)
+    bad = pipeline(
+        source, batch=8, transform=shift_label, input_settings=InputSettings(num_threads=threads)
+    )
     expected = (
         r"ArraySource after the transform function: label 10 at source index (\d+) "
         r"is outside the classes \[0, 10\)"
@@ -338,3 +354,25 @@ def test_a_transform_that_maps_labels_out_of_the_classes_names_the_example(threa
     assert index % 10 == 9  # the example whose label was 9
     # Grain's note ("has removed its internal frames") would print below the message.
     assert not any("Grain" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_the_old_input_keywords_warn_and_build_the_same_pipeline():
+    source = make_source()
+    new = pipeline(
+        source, transform=jitter, input_settings=InputSettings(num_threads=3, prefetch=2)
+    )
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"input_settings=InputSettings\(num_threads=\.\.\., prefetch=\.\.\.\)",
+    ):
+        old = pipeline(source, transform=jitter, num_threads=3, prefetch=2)
+    assert old.input_settings == new.input_settings
+    assert (old.num_threads, old.prefetch) == (3, 2)
+    with pytest.raises(TypeError, match="got both input_settings= and resident="):
+        pipeline(source, input_settings=InputSettings(), resident=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'threads'"):
+        pipeline(source, threads=2)
+    with pytest.raises(
+        TypeError, match=r"must be a meshkit.data.InputSettings, got \{'num_threads': 2\}"
+    ):
+        pipeline(source, input_settings={"num_threads": 2})

@@ -495,7 +495,7 @@ def test_member_batches_with_a_transform_on_threads_equal_those_built_in_line():
             global_batch_size=16,
             sharding=layout.batch_sharding,
             transform=transform,
-            num_threads=threads,
+            input_settings=data.InputSettings(num_threads=threads),
         )
 
     in_line = pipeline(0).local_batch(1)

@@ -328,9 +328,13 @@ def test_the_batched_transform_equals_the_per_example_one_pixel_for_pixel(paddin
 
 
 def test_input_settings_follow_cores_and_image_size():
-    assert image.input_settings(32, cores=1) == {"num_threads": 0, "worker_count": 0}
-    assert image.input_settings(64, cores=4) == {"num_threads": 0, "worker_count": 4}
-    assert image.input_settings(224, cores=4) == {"num_threads": 4, "worker_count": 0}
-    assert sum(image.input_settings(32).values()) >= 0
+    def threads_and_workers(side, cores=None):
+        settings = image.input_settings(side, cores=cores)
+        return settings.num_threads, settings.worker_count
+
+    assert threads_and_workers(32, cores=1) == (0, 0)
+    assert threads_and_workers(64, cores=4) == (0, 4)
+    assert threads_and_workers(224, cores=4) == (4, 0)
+    assert image.input_settings(32).resident is False
     with pytest.raises(ValueError, match="image_side must be a positive int"):
         image.input_settings(0)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.once  # the package's surface, whatever the devices
 
 ROOT = Path(meshkit.__file__).parent
 API_DOCS = ROOT.parent / "docs" / "api"
-MAX_PUBLIC_NAMES = 173  # + models.llama and models.llama_architecture
+MAX_PUBLIC_NAMES = 175  # + sweep.Sweep and data.InputSettings, which replaced 19 keywords
 
 
 def package_faces() -> list[str]:
@@ -234,3 +234,55 @@ def test_every_public_name_is_used_or_has_a_stated_reason() -> None:
     stale = sorted(set(REASONS) - set(unused))
     assert not stale, f"REASONS for names now used, or no longer public: {stale}"
     assert len(names) <= 180, f"{len(names)} public names, over the issue's ceiling of 180"
+
+
+MAX_PARAMETERS = 12
+
+
+def _is_config_record(value: type) -> bool:
+    """A dataclass or a Flax module: a record of settings, each a named field."""
+    import dataclasses
+
+    import flax.linen as nn
+    from flax import nnx
+
+    return dataclasses.is_dataclass(value) or issubclass(value, nn.Module | nnx.Module)
+
+
+def _named_parameters(value: Any) -> int | None:
+    """The parameters a caller can name (a catch-all ``**deprecated`` aside), or ``None``."""
+    target = value.__init__ if isinstance(value, type) else value
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    skipped = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return sum(
+        1
+        for name, parameter in signature.parameters.items()
+        if parameter.kind not in skipped and name != "self"
+    )
+
+
+def test_no_public_function_takes_more_than_twelve_parameters() -> None:
+    widths = {}
+    for face in faces():
+        module = importlib.import_module(face)
+        for name in public_names(face):
+            value = getattr(module, name)
+            if isinstance(value, type) and (
+                _is_config_record(value) or value.__init__ is object.__init__
+            ):
+                continue
+            if not callable(value) or isinstance(value, types.ModuleType):
+                continue
+            count = _named_parameters(value)
+            if count is not None:
+                widths[f"{face}.{name}"] = count
+    assert widths["meshkit.sweep.run_sweep"] <= 8 and widths["meshkit.train.fit"] == 11
+    wide = {name: count for name, count in widths.items() if count > MAX_PARAMETERS}
+    assert not wide, (
+        f"public functions with more than {MAX_PARAMETERS} parameters: {wide}. Group "
+        "settings that belong together in a settings object (as fit's Evaluation, "
+        "Checkpoints, Logging, Dispatch and the pipelines' InputSettings do)."
+    )

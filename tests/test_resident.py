@@ -82,7 +82,9 @@ def assert_bit_identical(a: list[dict], b: list[dict]) -> None:
 def streams(mesh_text: str, mode: Any) -> tuple[list[dict], list[dict], str, int]:
     sharding = meshkit.batch_sharding(meshkit.make_mesh(mesh_text))
     common: dict[str, Any] = {"global_batch_size": 16, "sharding": sharding, "seed": 3}
-    resident = data.TrainPipeline(odd_source(), resident=mode, **common)
+    resident = data.TrainPipeline(
+        odd_source(), input_settings=data.InputSettings(resident=mode), **common
+    )
     host = data.TrainPipeline(odd_source(), **common)
     return (
         resident_batches(resident, STEPS),
@@ -106,7 +108,12 @@ def test_resident_batches_equal_the_host_pipelines_bit_for_bit(mode):
 def test_rows_split_over_two_data_axes_gather_the_same_batches():
     sharding = meshkit.batch_sharding(meshkit.make_mesh("replica=2,data=4"), ("replica", "data"))
     common: dict[str, Any] = {"global_batch_size": 16, "sharding": sharding, "seed": 3}
-    got = resident_batches(data.TrainPipeline(odd_source(), resident="sharded", **common), 4)
+    got = resident_batches(
+        data.TrainPipeline(
+            odd_source(), input_settings=data.InputSettings(resident="sharded"), **common
+        ),
+        4,
+    )
     assert_bit_identical(got, host_batches(data.TrainPipeline(odd_source(), **common), 4))
 
 
@@ -116,7 +123,10 @@ def test_split_rows_are_gathered_with_one_reduce_scatter_per_field_and_never_all
     """The dataset's rows stay where they are: no collective gathers them whole."""
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     pipeline = data.TrainPipeline(
-        odd_source(), global_batch_size=16, sharding=sharding, resident="sharded"
+        odd_source(),
+        global_batch_size=16,
+        sharding=sharding,
+        input_settings=data.InputSettings(resident="sharded"),
     )
     feed = ResidentChunks(pipeline)
     stored, indices = feed.next_chunk(3)
@@ -130,7 +140,9 @@ def test_split_rows_are_gathered_with_one_reduce_scatter_per_field_and_never_all
 def test_each_member_gathers_its_own_order():
     layout = EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 3)
     common: dict[str, Any] = {"global_batch_size": 16, "sharding": layout.batch_sharding}
-    resident = MemberTrainPipeline(odd_source(), 3, resident=True, **common)
+    resident = MemberTrainPipeline(
+        odd_source(), 3, input_settings=data.InputSettings(resident=True), **common
+    )
     host = MemberTrainPipeline(odd_source(), 3, **common)
     got = resident_batches(resident, 4)
     assert got[0]["x"].shape == (16, 3, 3)
@@ -142,7 +154,12 @@ def test_a_dataset_that_fits_nowhere_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1000")
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     with pytest.raises(ValueError) as error:
-        data.TrainPipeline(odd_source(), global_batch_size=16, sharding=sharding, resident=True)
+        data.TrainPipeline(
+            odd_source(),
+            global_batch_size=16,
+            sharding=sharding,
+            input_settings=data.InputSettings(resident=True),
+        )
     message = str(error.value)
     assert "\n" not in message
     assert "1.6 KiB on every device" in message
@@ -156,7 +173,10 @@ def test_a_dataset_too_large_for_one_device_is_split_over_the_data_axis(monkeypa
     monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1000")
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
     pipeline = data.TrainPipeline(
-        odd_source(), global_batch_size=16, sharding=sharding, resident=True
+        odd_source(),
+        global_batch_size=16,
+        sharding=sharding,
+        input_settings=data.InputSettings(resident=True),
     )
     assert pipeline.resident_mode == "sharded"
     assert pipeline.resident_bytes == 7 * 33  # 50 rows over 8 devices: 7 each
@@ -171,15 +191,14 @@ def test_resident_input_refuses_host_transforms_and_unknown_layouts():
             return record
 
         data.TrainPipeline(
-            odd_source(), global_batch_size=16, sharding=sharding, resident=True, transform=augment
-        )
-    with pytest.raises(ValueError, match="resident must be True, False, 'replicated' or"):
-        data.TrainPipeline(
             odd_source(),
             global_batch_size=16,
             sharding=sharding,
-            resident="yes",  # pyright: ignore[reportArgumentType]
+            input_settings=data.InputSettings(resident=True),
+            transform=augment,
         )
+    with pytest.raises(ValueError, match=r"resident=\.\.\.\) must be True, False, 'replicated' or"):
+        data.InputSettings(resident="yes")  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.once
@@ -246,7 +265,10 @@ def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: Any, num_steps: i
     state = train.create_train_state(_MODEL, _TX, mesh, seed=0)
     step = _train_step(sharding, train.state_shardings_of(state))
     pipeline = data.TrainPipeline(
-        data.digits("train"), global_batch_size=64, sharding=sharding, resident=resident
+        data.digits("train"),
+        global_batch_size=64,
+        sharding=sharding,
+        input_settings=data.InputSettings(resident=resident),
     )
     result = train.fit(
         state,
@@ -327,7 +349,10 @@ def test_unrolled_chunks_of_a_convolution_step_are_bit_identical_to_single_steps
             train.create_train_state(model, _TX, mesh, seed=0),
             step,
             data.TrainPipeline(
-                data.digits("train"), global_batch_size=64, sharding=sharding, resident=resident
+                data.digits("train"),
+                global_batch_size=64,
+                sharding=sharding,
+                input_settings=data.InputSettings(resident=resident),
             ),
             num_steps=8,
             workdir=tmp_path / str(n),
@@ -418,7 +443,9 @@ def test_jpeg_records_decoded_once_give_the_host_pipelines_batches(jpeg_records,
         "transform": image.decode_transform(12),
     }
     source = data.image_records(jpeg_records["train"])
-    resident = data.TrainPipeline(source, resident=mode, **common)
+    resident = data.TrainPipeline(
+        source, input_settings=data.InputSettings(resident=mode), **common
+    )
     host = data.TrainPipeline(source, **common)
     assert resident.resident_bytes == (
         1437 if mode == "replicated" else -(-1437 // jax.device_count())
@@ -447,7 +474,7 @@ def test_resident_records_of_several_sizes_are_refused_naming_the_example():
         global_batch_size=8,
         sharding=sharding,
         transform=image.decode_transform(),
-        resident=True,
+        input_settings=data.InputSettings(resident=True),
     )
     with pytest.raises(ValueError, match=r"example 13's 'image' has shape \(20, 20, 3\) but"):
         _ = pipeline.resident_data
@@ -456,7 +483,7 @@ def test_resident_records_of_several_sizes_are_refused_naming_the_example():
         global_batch_size=8,
         sharding=sharding,
         transform=image.decode_transform(16),
-        resident=True,
+        input_settings=data.InputSettings(resident=True),
     )
     assert sized.resident_data is not None
     assert sized.resident_data.arrays["image"].shape == (20, 16, 16, 3)
@@ -485,7 +512,7 @@ def eval_both_ways(mesh_text: str, records: Path) -> tuple[Any, Any, data.EvalPi
             global_batch_size=64,
             sharding=sharding,
             transform=transform,
-            resident=resident,
+            input_settings=data.InputSettings(resident=resident),
         )
         results.append(evaluate.full_eval(per_example, weights, pipeline, collect=["logits"]))
     return results[0], results[1], pipeline
@@ -513,6 +540,6 @@ def test_a_resident_evaluation_set_too_large_is_refused_when_built(monkeypatch, 
             global_batch_size=64,
             sharding=sharding,
             transform=image.eval_transform(12, mean=0.5, std=0.25, crop_fraction=1.0),
-            resident=True,
+            input_settings=data.InputSettings(resident=True),
         )
     assert "resident=False" in str(error.value) and "\n" not in str(error.value)

@@ -87,22 +87,27 @@ def run_points(
     workdir: Path, strategy: str = "auto", model: train.Model | None = None, **kwargs
 ) -> sweep.SweepResult:
     layout = layout_for(len(POINTS))
-    return sweep.run_sweep(
+    run = {key: kwargs.pop(key) for key in ("checkpoints", "dispatch") if key in kwargs}
+    experiment = sweep.Sweep(
         model or tiny_model(),
         adamw(),
         swept_loss,
         layout,
         POINTS,
+        loss_values=("label_smoothing",),
+        strategy=strategy,  # pyright: ignore[reportArgumentType]
+        **kwargs,
+    )
+    return sweep.run_sweep(
+        experiment,
         pipeline=sweep.sweep_pipeline(
             data.digits("train"), POINTS, layout, global_batch_size=BATCH
         ),
-        eval_pipeline=eval_pipeline(layout),
+        evaluation=train.Evaluation(eval_pipeline(layout)),
         num_steps=STEPS,
         workdir=workdir,
-        loss_values=("label_smoothing",),
-        strategy=strategy,  # pyright: ignore[reportArgumentType]
         logging=train.Logging(every=1, progress=False),
-        **kwargs,
+        **run,
     )
 
 
@@ -204,16 +209,15 @@ def test_an_nnx_member_in_float16_with_microbatches_follows_its_standalone_run(t
 
 def grid_run(points, workdir: Path, model=None, tx=None) -> sweep.SweepResult:
     layout = layout_for(len(points))
+    experiment = sweep.Sweep(
+        model or tiny_model(), tx or adamw(), ensemble.classification_loss, layout, points
+    )
     return sweep.run_sweep(
-        model or tiny_model(),
-        tx or adamw(),
-        ensemble.classification_loss,
-        layout,
-        points,
+        experiment,
         pipeline=sweep.sweep_pipeline(
             data.digits("train"), points, layout, global_batch_size=BATCH
         ),
-        eval_pipeline=eval_pipeline(layout),
+        evaluation=train.Evaluation(eval_pipeline(layout)),
         num_steps=2,
         workdir=workdir,
         logging=train.Logging(every=1, progress=False),
@@ -476,19 +480,35 @@ def test_bad_sweeps_are_explained(tmp_path: Path):
         sweep.create_sweep_state(model, adamw(), layout, [{"learning_rate": 0.1}] * 3)
     with pytest.raises(ValueError, match=r"num_members=12 cannot be split evenly\b"):
         ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=8"), 12)
+    two = [{"learning_rate": 0.1}, {"learning_rate": 0.2}]
+    loss = ensemble.classification_loss
+    with pytest.raises(ValueError, match=r"3 points but the layout holds 2 members"):
+        sweep.Sweep(model, adamw(), loss, layout, [*two, {"learning_rate": 0.3}])
+    with pytest.raises(ValueError, match=r"refill=True\) fills stopped slots.*Sweep\(space="):
+        sweep.Sweep(
+            model, adamw(), loss, layout, two, schedule=sweep.SuccessiveHalving((1,), refill=True)
+        )
+    with pytest.raises(ValueError, match=r"mode=\.\.\.\) must be 'max'.*got 'best'"):
+        sweep.Sweep(model, adamw(), loss, layout, two, mode="best")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"evaluation=\.\.\.\) must be a meshkit.train.Evaluation"):
+        sweep.run_sweep(
+            sweep.Sweep(model, adamw(), loss, layout, two),
+            pipeline=sweep.sweep_pipeline(
+                data.digits("train"), two, layout, global_batch_size=BATCH
+            ),
+            evaluation=eval_pipeline(layout),  # pyright: ignore[reportArgumentType]
+            num_steps=1,
+            workdir=tmp_path / "typed",
+        )
     points = [{"learning_rate": 0.1, "data_seed": 1}, {"learning_rate": 0.2, "data_seed": 2}]
     shared = data.TrainPipeline(
         data.digits("train"), global_batch_size=BATCH, sharding=layout.batch_sharding
     )
     with pytest.raises(ValueError, match=r"set data_seed \[1, 2\].*sweep_pipeline"):
         sweep.run_sweep(
-            model,
-            adamw(),
-            ensemble.classification_loss,
-            layout,
-            points,
+            sweep.Sweep(model, adamw(), ensemble.classification_loss, layout, points),
             pipeline=shared,
-            eval_pipeline=eval_pipeline(layout),
+            evaluation=train.Evaluation(eval_pipeline(layout)),
             num_steps=1,
             workdir=tmp_path,
         )
@@ -520,21 +540,18 @@ def poison_run(
         for value, seed in zip(poison, (3, 4), strict=True)
     ]
     layout = layout_for(len(points))
+    experiment = sweep.Sweep(
+        tiny_model(), adamw(), poisoned_loss, layout, points, loss_values=("poison",), **kwargs
+    )
     return sweep.run_sweep(
-        tiny_model(),
-        adamw(),
-        poisoned_loss,
-        layout,
-        points,
+        experiment,
         pipeline=sweep.sweep_pipeline(
             data.digits("train"), points, layout, global_batch_size=BATCH
         ),
-        eval_pipeline=eval_pipeline(layout),
+        evaluation=train.Evaluation(eval_pipeline(layout)),
         num_steps=num_steps,
         workdir=workdir,
-        loss_values=("poison",),
         logging=train.Logging(every=1, progress=False),
-        **kwargs,
     )
 
 

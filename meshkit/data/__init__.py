@@ -37,6 +37,7 @@ from meshkit.data._formats import write_array_record as write_array_record
 from meshkit.data._formats import write_digits_images as write_digits_images
 from meshkit.data._formats import write_image_folder as write_image_folder
 from meshkit.data._formats import write_image_records as write_image_records
+from meshkit.data._input import InputSettings as InputSettings
 from meshkit.data._iterator import GlobalBatchIterator as GlobalBatchIterator
 from meshkit.data._pipeline import EvalPipeline as EvalPipeline
 from meshkit.data._pipeline import EvalTransform as EvalTransform

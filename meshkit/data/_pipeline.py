@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
+from meshkit.data._input import InputSettings, settings_with_deprecated
 from meshkit.data._labels import check_labels
 from meshkit.data._resident import (
     ResidentData,
@@ -71,10 +72,8 @@ class _Pipeline:
         global_batch_size: int,
         sharding: NamedSharding,
         *,
-        num_threads: int | None,
         transform: object | None,
-        prefetch: int,
-        worker_count: int,
+        settings: InputSettings,
     ):
         self.shard = _check_common(source, global_batch_size, sharding)
         self.source = source
@@ -88,13 +87,13 @@ class _Pipeline:
         # A transform with a ``batch`` method builds whole batches (vectorised work after
         # the per-example decode): threads and workers then take whole batches too.
         self.batched = callable(getattr(transform, "batch", None))
-        if num_threads is None:
-            # A gather is one numpy call: threads only add their start-up time. Work per
-            # example gets two threads.
-            num_threads = 2 if self.per_example else 0
-        self.num_threads = num_threads
-        self.prefetch = prefetch
-        self.worker_count = worker_count
+        self.input_settings = settings
+        # A gather is one numpy call: threads only add their start-up time. Work per
+        # example gets two threads.
+        default_threads = 2 if self.per_example else 0
+        self.num_threads = default_threads if settings.num_threads is None else settings.num_threads
+        self.prefetch = settings.prefetch
+        self.worker_count = settings.worker_count
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -231,20 +230,14 @@ class TrainPipeline(_Pipeline):
       transform: optional ``(record, rng) -> record`` augmentation.
       num_epochs: stop after this many epochs; ``None`` repeats forever.
       shuffle: ``False`` keeps the source order (for debugging and tests).
-      num_threads: threads that read and transform examples ahead of time; by default
-        0 for in-memory arrays without a transform (a batch is one numpy gather) and 2
-        otherwise.
-      prefetch: batches built ahead of time.
-      worker_count: Grain worker processes (opt-in; see ``dataset``).
-      resident: ``True`` places the whole dataset on the devices once and lets
-        ``fit`` gather each batch there by index (the same examples in the same order
-        as host input): replicated when it fits within a quarter of one device's
-        memory, else its rows split over the data axes. ``"replicated"`` or
-        ``"sharded"`` chooses the layout. Needs an in-memory source, or a
-        ``transform`` that draws nothing (its ``deterministic`` attribute is true, as
-        ``decode_transform()``'s is), which then runs once over every example when the
-        data is placed; augment in the step (``device_augmentation(...).wrap``).
-        ``resident_data`` says where it went.
+      input_settings: how batches are built and where the data lives
+        (``InputSettings``: threads, workers, prefetch, resident), never which examples
+        they hold. With ``InputSettings(resident=True)`` the whole dataset is placed on
+        the devices once and ``fit`` gathers each batch there by index. That needs an
+        in-memory source, or a ``transform`` that draws nothing (its ``deterministic``
+        attribute is true, as ``decode_transform()``'s is), which then runs once over
+        every example when the data is placed; augment in the step
+        (``device_augmentation(...).wrap``). ``resident_data`` says where it went.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -270,19 +263,12 @@ class TrainPipeline(_Pipeline):
         transform: Transform | None = None,
         num_epochs: int | None = None,
         shuffle: bool = True,
-        num_threads: int | None = None,
-        prefetch: int = 4,
-        worker_count: int = 0,
-        resident: bool | ResidentMode = False,
+        input_settings: InputSettings | None = None,
+        **deprecated: Any,
     ):
+        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
         super().__init__(
-            source,
-            global_batch_size,
-            sharding,
-            num_threads=num_threads,
-            transform=transform,
-            prefetch=prefetch,
-            worker_count=worker_count,
+            source, global_batch_size, sharding, transform=transform, settings=settings
         )
         if len(source) < global_batch_size:
             raise ValueError(
@@ -300,7 +286,7 @@ class TrainPipeline(_Pipeline):
         self.steps_per_epoch = self._source_length // global_batch_size
         self.num_steps = None if num_epochs is None else num_epochs * self.steps_per_epoch
         self.resident_mode: ResidentMode | None
-        self.resident_mode, self.resident_bytes = self._resident_layout(resident)
+        self.resident_mode, self.resident_bytes = self._resident_layout(settings.resident)
 
     def _resident_layout(self, resident: object) -> tuple[ResidentMode | None, int]:
         """The resident layout and bytes per device (``(None, 0)``: host input); checked
@@ -526,12 +512,12 @@ class EvalPipeline(_Pipeline):
     batch) with a ``ValueError`` naming both lengths, rather than evaluated short or
     past its end: build a new ``EvalPipeline`` over the source as it is now.
 
-    ``resident=True`` runs ``transform`` once over every example and places the padded
-    batches on the devices (``resident_batches``: ``[num_steps, global_batch_size,
-    ...]``, each batch's rows where a host batch's would be); ``full_eval`` then slices
-    each batch there and sends nothing per step. The bytes per device
-    (``resident_bytes``) are checked against the resident limit when the pipeline is
-    built (``MESHKIT_RESIDENT_BYTES``; see ``TrainPipeline``).
+    ``InputSettings(resident=True)`` runs ``transform`` once over every example and
+    places the padded batches on the devices (``resident_batches``: ``[num_steps,
+    global_batch_size, ...]``, each batch's rows where a host batch's would be);
+    ``full_eval`` then slices each batch there and sends nothing per step. The bytes
+    per device (``resident_bytes``) are checked against the resident limit when the
+    pipeline is built (``MESHKIT_RESIDENT_BYTES``; see ``TrainPipeline``).
 
     Examples:
         >>> import numpy as np, meshkit
@@ -554,26 +540,22 @@ class EvalPipeline(_Pipeline):
         global_batch_size: int,
         sharding: NamedSharding,
         transform: EvalTransform | None = None,
-        num_threads: int | None = None,
-        prefetch: int = 4,
-        worker_count: int = 0,
-        resident: bool = False,
+        input_settings: InputSettings | None = None,
+        **deprecated: Any,
     ):
+        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
         super().__init__(
-            source,
-            global_batch_size,
-            sharding,
-            num_threads=num_threads,
-            transform=transform,
-            prefetch=prefetch,
-            worker_count=worker_count,
+            source, global_batch_size, sharding, transform=transform, settings=settings
         )
         self.transform = transform
         self.num_examples = self._source_length
         self.num_steps = math.ceil(self.num_examples / global_batch_size)
-        if not isinstance(resident, bool | np.bool_):
-            raise TypeError(f"resident must be True or False, got {resident!r}.")
-        self.resident = bool(resident)
+        if not isinstance(settings.resident, bool):
+            raise TypeError(
+                "An EvalPipeline's InputSettings(resident=...) must be True or False (its "
+                f"padded batches are placed as they are), got {settings.resident!r}."
+            )
+        self.resident = settings.resident
         self.resident_bytes = 0
         if self.resident:  # checked now, so an evaluation set too large fails before training
             self.resident_bytes = eval_batches_bytes(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from jax.sharding import NamedSharding
 
 from meshkit._checks import check_int
-from meshkit.data import Record, Source, TrainPipeline, Transform
+from meshkit.data import InputSettings, Record, Source, TrainPipeline, Transform
+from meshkit.data._input import settings_with_deprecated
 
 
 def member_seed(seed: int, index: int) -> int:
@@ -44,15 +45,12 @@ class MemberTrainPipeline(TrainPipeline):
       seed: the base seed of the members' orders.
       transform: optional per-example augmentation, as for ``TrainPipeline``.
       num_epochs: stop after this many epochs; ``None`` repeats forever.
-      num_threads: threads building batches ahead of time (see ``TrainPipeline``).
-      prefetch: batches built ahead of time.
       member_seeds: each member's shuffle seed, so member ``i`` reads the data in the
         order ``TrainPipeline(seed=member_seeds[i])`` does (a sweep's ``data_seed``);
         ``None``: ``member_seed(seed, i)``.
-      worker_count: Grain worker processes building whole batches (see
-        ``TrainPipeline``; ``meshkit.data.image.input_settings`` suggests one).
-      resident: the dataset on the devices, each member's batch gathered there by its
-        own indices (see ``TrainPipeline``): one copy serves all K members.
+      input_settings: threads, workers, prefetch and resident data, as for
+        ``TrainPipeline`` (workers build whole batches). Resident, each member's batch is
+        gathered on the devices by its own indices: one copy serves all K members.
 
     Examples:
         >>> import numpy as np, meshkit
@@ -77,12 +75,11 @@ class MemberTrainPipeline(TrainPipeline):
         seed: int = 0,
         transform: Transform | None = None,
         num_epochs: int | None = None,
-        num_threads: int | None = None,
-        prefetch: int = 4,
         member_seeds: Sequence[int] | None = None,
-        worker_count: int = 0,
-        resident: bool | Literal["replicated", "sharded"] = False,
+        input_settings: InputSettings | None = None,
+        **deprecated: Any,
     ):
+        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
         check_int(num_members, name="num_members", minimum=1)
         if member_seeds is None:
             member_seeds = [member_seed(seed, index) for index in range(num_members)]
@@ -99,10 +96,7 @@ class MemberTrainPipeline(TrainPipeline):
             seed=seed,
             transform=transform,
             num_epochs=num_epochs,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            worker_count=worker_count,
-            resident=resident,
+            input_settings=settings,
         )
         self.num_members = num_members
         self.members = tuple(
@@ -113,7 +107,8 @@ class MemberTrainPipeline(TrainPipeline):
                 seed=member_seeds[index],
                 transform=transform,
                 num_epochs=num_epochs,
-                num_threads=0,  # the members' batches are built by this pipeline's threads
+                # The members' batches are built by this pipeline's threads.
+                input_settings=InputSettings(num_threads=0),
             )
             for index in range(num_members)
         )

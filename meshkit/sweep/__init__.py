@@ -2,11 +2,13 @@
 
 Each member of an ``ensemble`` mesh axis trains one point of a search space, with its
 hyperparameters held as arrays in its optimizer state: one compile for any values,
-every device busy. ``run_sweep`` trains them, scores them, stops or replaces the worst
+every device busy. A ``Sweep`` says what is trained and how it is judged; ``run_sweep``
+trains it, scores them, stops or replaces the worst
 (``SuccessiveHalving``) or lets them copy the best (``PopulationBasedTraining``), and
 returns a ranked ``SweepResult`` whose winner is an ordinary train state.
 """
 
+from meshkit.sweep._definition import Sweep as Sweep
 from meshkit.sweep._results import SweepResult as SweepResult
 from meshkit.sweep._results import Trial as Trial
 from meshkit.sweep._run import run_sweep as run_sweep

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -12,13 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm import tqdm
 
 from meshkit._host import to_host
 from meshkit._paths import PathLike, as_path, write_text_atomically
-from meshkit._types import PerExampleFn
-from meshkit.data import EvalPipeline, TrainPipeline
+from meshkit.data import TrainPipeline
 from meshkit.ensemble import (
     EnsembleLayout,
     MemberLossFn,
@@ -29,11 +28,11 @@ from meshkit.ensemble import (
 from meshkit.ensemble._step import ensemble_step
 from meshkit.ensemble._strategy import MemberStrategy
 from meshkit.evaluate import full_eval
+from meshkit.sweep._definition import Sweep
 from meshkit.sweep._results import SweepResult, Trial
-from meshkit.sweep._schedules import Decision, Mode, Schedule, SuccessiveHalving, decide
-from meshkit.sweep._space import SEED_NAMES, Point, Space, Value, check_points
+from meshkit.sweep._schedules import Decision, Schedule, decide
+from meshkit.sweep._space import SEED_NAMES, Point, Value, check_points
 from meshkit.sweep._state import (
-    create_sweep_state,
     init_keys,
     init_members,
     value_arrays,
@@ -46,7 +45,6 @@ from meshkit.train import (
     Logging,
     Model,
     NonFiniteLossError,
-    Precision,
     TrainState,
     fit,
 )
@@ -119,6 +117,23 @@ def sweep_pipeline(
     return TrainPipeline(source, seed=seed, **common, **options)
 
 
+def _checked_evaluation(sweep: object, evaluation: object) -> Evaluation:
+    """``evaluation`` with the ensemble metrics filled in, after checking both types."""
+    if not isinstance(sweep, Sweep):
+        raise TypeError(
+            f"run_sweep takes a meshkit.sweep.Sweep first, got {type(sweep).__name__}: build "
+            "one with Sweep(model, tx, loss_fn, layout, points, ...)."
+        )
+    if not isinstance(evaluation, Evaluation):
+        raise TypeError(
+            "run_sweep(evaluation=...) must be a meshkit.train.Evaluation, got "
+            f"{type(evaluation).__name__}: pass Evaluation(eval_pipeline)."
+        )
+    if evaluation.per_example_fn is not None:
+        return evaluation
+    return dataclasses.replace(evaluation, per_example_fn=ensemble_metrics(sweep.layout))
+
+
 def _check_pipeline(pipeline: TrainPipeline, points: Sequence[Point]) -> None:
     if "data_seed" not in points[0]:
         return
@@ -165,93 +180,63 @@ def _record(
 
 
 def run_sweep(
-    model: Model,
-    tx: optax.GradientTransformation,
-    loss_fn: MemberLossFn,
-    layout: EnsembleLayout,
-    points: Sequence[Mapping[str, Value]],
+    sweep: Sweep,
     *,
     pipeline: TrainPipeline,
-    eval_pipeline: EvalPipeline,
+    evaluation: Evaluation,
     num_steps: int,
     workdir: PathLike,
-    metric: str = "accuracy",
-    mode: Mode = "max",
-    per_example_fn: PerExampleFn | None = None,
-    schedule: Schedule | None = None,
-    space: Space | None = None,
-    loss_values: Sequence[str] = (),
-    seed: int = 0,
-    precision: Precision | str | None = None,
-    microbatches: int = 1,
-    strategy: MemberStrategy = "auto",
-    eval_every: int | None = None,
     checkpoints: Checkpoints | None = None,
     logging: Logging | None = None,
     dispatch: Dispatch | None = None,
 ) -> SweepResult:
-    """Trains K hyperparameter settings at once, one per member of the ensemble axis.
+    """Trains a ``Sweep``'s K settings at once, one per member of the ensemble axis.
 
-    The K members (``create_sweep_state``) train in one jitted step
+    The K members (``sweep.initial_state()``) train in one jitted step
     (``make_ensemble_step``), each with its own hyperparameters, data-parallel over the
-    layout's data axis. With a ``schedule``, training runs in stages: at each stage's
-    end every member is evaluated on ``eval_pipeline`` and ``SuccessiveHalving`` or
+    layout's data axis. With a schedule, training runs in stages: at each stage's end
+    every member is evaluated on ``evaluation.pipeline`` and ``SuccessiveHalving`` or
     ``PopulationBasedTraining`` decides which members stop, restart or copy others;
     the step never recompiles. Each stage is a ``fit`` run in ``workdir/stage_<i>``
-    (its checkpoints, ``metrics.jsonl`` and writers); a killed sweep rerun with the
-    same arguments resumes and makes the same decisions, ending with the same table.
+    (its checkpoints, ``metrics.jsonl`` and writers) with the settings given here, as
+    ``fit`` takes them; a killed sweep rerun with the same arguments resumes and makes
+    the same decisions, ending with the same table.
 
     Args:
-      model: the model (``linen_model`` or ``nnx_model``).
-      tx: the optimizer; sweep optimizer hyperparameters by wrapping it in
-        ``optax.inject_hyperparams``.
-      loss_fn: one member's loss (``meshkit.ensemble.classification_loss``, or one that
-        reads ``hyperparameter(state, name)``).
-      layout: the ``EnsembleLayout`` with ``len(points)`` members.
-      points: the K settings (``Space(...).grid()``, ``.sample(K)``, or dicts).
+      sweep: what is trained and how it is judged (``Sweep``).
       pipeline: the training data (``sweep_pipeline``).
-      eval_pipeline: the data members are scored on.
+      evaluation: the data members are scored on, and how: ``Evaluation(eval_pipeline,
+        every=..., per_example_fn=...)``. ``every`` also evaluates every member that
+        often within each stage (written to the stage's ``metrics.jsonl`` and writers);
+        ``per_example_fn`` defaults to ``ensemble_metrics(layout)``.
       num_steps: training steps of every member.
       workdir: where stages, ``sweep.json``, ``results.json`` and ``best/`` go.
-      metric: the score, a per-member metric of ``per_example_fn``.
-      mode: whether higher (``"max"``) or lower (``"min"``) scores are better.
-      per_example_fn: the evaluation (``ensemble_metrics(layout)`` by default).
-      schedule: ``None``, ``SuccessiveHalving`` or ``PopulationBasedTraining``.
-      space: where refilled and resampled points come from.
-      loss_values: the points' names the loss reads (not optimizer hyperparameters).
-      seed: the init seed of points without ``init_seed``, and the schedule's seed.
-      precision: the members' precision policy, as for ``create_ensemble_state``.
-      microbatches: gradient accumulation steps, as for the ensemble step.
-      strategy: how each device runs its members, as for the ensemble step.
-      eval_every: also evaluate every member this often during each stage (written to
-        the stage's ``metrics.jsonl`` and writers).
       checkpoints: each stage's ``fit`` checkpoint settings.
       logging: each stage's ``fit`` logging settings.
       dispatch: each stage's ``fit`` dispatch settings: ``Dispatch(steps_per_dispatch=
         'auto')`` runs many steps of all K members per program, with a pipeline built
-        with ``resident=True`` the data on the devices.
+        with ``InputSettings(resident=True)`` the data on the devices.
     """
-    checked = check_points(points)
-    state = create_sweep_state(
-        model, tx, layout, checked, loss_values=loss_values, seed=seed, precision=precision
+    evaluation = _checked_evaluation(sweep, evaluation)
+    layout, metric, mode, schedule, seed = (
+        sweep.layout,
+        sweep.metric,
+        sweep.mode,
+        sweep.schedule,
+        sweep.seed,
     )
+    checked = check_points(sweep.points)
+    state = sweep.initial_state()
     _check_pipeline(pipeline, checked)
-    if isinstance(schedule, SuccessiveHalving) and schedule.refill and space is None:
-        raise ValueError(
-            "SuccessiveHalving(refill=True) fills stopped slots with points drawn from a "
-            "space: pass space= (the Space the points came from), or refill=False."
-        )
     names = tuple(name for name in checked[0] if name not in SEED_NAMES)  # checked above
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
-    per_example_fn = per_example_fn or ensemble_metrics(layout)
-    step = _step(loss_fn, layout, "data_seed" in checked[0], microbatches, strategy)
-    evaluation = (
-        None if eval_every is None else Evaluation(eval_pipeline, eval_every, per_example_fn)
-    )
+    member_batches = "data_seed" in checked[0]
+    score_fn = evaluation.per_example_fn or ensemble_metrics(layout)  # filled in: checked
+    step = _step(sweep.loss_fn, layout, member_batches, sweep.microbatches, sweep.strategy)
     stage_settings = {
-        "evaluation": evaluation,
+        "evaluation": None if evaluation.every is None else evaluation,
         "checkpoints": checkpoints,
         "logging": logging,
         "dispatch": dispatch,
@@ -285,7 +270,7 @@ def run_sweep(
                 input_path=input_path,
             )
         _freeze_diverged(state, trials, slots, active, end=end, metric=metric)
-        measured = full_eval(per_example_fn, state, eval_pipeline).metrics
+        measured = full_eval(score_fn, state, evaluation.pipeline).metrics
         scores = per_member(measured, metric)
         for slot, trial_id in enumerate(slots):
             if active[slot]:
@@ -303,7 +288,7 @@ def run_sweep(
             active=active,
             points=current,
             mode=mode,
-            space=space,
+            space=sweep.space,
             seed=seed,
         )
         moves = {
@@ -313,7 +298,7 @@ def run_sweep(
             "seeds": init_keys(decision.points, seed),
             "values": value_arrays(decision.points, names),
         }
-        state = _reassign(model, layout)(state, moves)
+        state = _reassign(sweep.model, layout)(state, moves)
         old_slots = slots
         slots = _apply(decision, trials, slots, active, end)
         if jax.process_index() == 0:  # the schedule's decisions, a line each
@@ -327,7 +312,7 @@ def run_sweep(
     for slot, trial_id in enumerate(slots):
         if active[slot]:
             trials[trial_id].finish(num_steps)
-    sweep = SweepResult(
+    finished = SweepResult(
         trials=trials,
         slots=slots,
         state=state,
@@ -340,8 +325,8 @@ def run_sweep(
         input_path=input_path,
     )
     if jax.process_index() == 0:
-        sweep.write_json(workdir / "results.json")
-    return sweep
+        finished.write_json(workdir / "results.json")
+    return finished
 
 
 def describe_decision(

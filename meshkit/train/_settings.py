@@ -42,7 +42,8 @@ class Evaluation:
       every: evaluation period in steps; ``None`` evaluates after the last step only
         (a period evaluates after the last step too).
       per_example_fn: ``fn(state, batch) -> {name: per-example values}``; the means
-        over every example are reported (``classification_metrics`` by default).
+        over every example are reported. ``None``: ``classification_metrics`` in
+        ``fit``, ``ensemble_metrics(layout)`` in ``run_sweep``.
 
     Examples:
         >>> import meshkit
@@ -62,7 +63,7 @@ class Evaluation:
 
     pipeline: EvalPipeline
     every: int | None = None
-    per_example_fn: PerExampleFn = classification_metrics
+    per_example_fn: PerExampleFn | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pipeline, EvalPipeline):
@@ -79,7 +80,7 @@ class Evaluation:
                 unit="step",
                 fix="Pass every=None to evaluate after the last step only.",
             )
-        if not callable(self.per_example_fn):
+        if self.per_example_fn is not None and not callable(self.per_example_fn):
             raise TypeError(
                 "Evaluation(per_example_fn=...) must be a function (state, batch) -> "
                 f"{{name: per-example values}}, got {self.per_example_fn!r}."
@@ -91,7 +92,7 @@ class Evaluation:
 
     def run(self, state: Any) -> dict[str, float]:
         """Evaluates ``state`` on every example once: ``count`` plus each metric's mean."""
-        result = full_eval(self.per_example_fn, state, self.pipeline)
+        result = full_eval(self.per_example_fn or classification_metrics, state, self.pipeline)
         return {"count": result.count, **result.metrics}
 
 

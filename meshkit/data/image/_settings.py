@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import os
 
+from meshkit.data._input import InputSettings
+
 DECODE_BOUND_SIDE = 128
 """From this trained image side up, decoding and resampling (which release the GIL)
 dominate an image's cost, and threads scale; below it, Python's per-image work does,
 and only processes scale."""
 
 
-def input_settings(image_side: int, *, cores: int | None = None) -> dict[str, int]:
-    """``num_threads`` and ``worker_count`` for a ``TrainPipeline`` of encoded images.
+def input_settings(image_side: int, *, cores: int | None = None) -> InputSettings:
+    """The ``InputSettings`` (threads, workers) for a pipeline of encoded images.
 
     The choice ``python -m benchmarks input_pipeline`` measures as fastest for the
     image classification transform (decode, random-resized crop, flip, normalise):
 
-    - one core: ``{"num_threads": 0, "worker_count": 0}``, batches built in the
+    - one core: no threads and no workers, batches built in the
       caller's thread (anything else only adds hand-offs);
     - images of side ``DECODE_BOUND_SIDE`` (128) and more: ``num_threads`` = cores.
       Decoding and resampling release the GIL, so threads run in parallel and start
@@ -28,16 +30,16 @@ def input_settings(image_side: int, *, cores: int | None = None) -> dict[str, in
       two to start.
 
     ``cores`` defaults to the CPUs this process may run on. The measured table is in
-    docs/data.md ("Input at scale"); pass the returned dict on, and override either
-    value by hand where a host measures otherwise.
+    docs/data.md ("Input at scale"); pass the result as ``input_settings=``, and
+    override a value with ``dataclasses.replace`` where a host measures otherwise.
 
     Examples:
         >>> input_settings(32, cores=2)
-        {'num_threads': 0, 'worker_count': 2}
+        InputSettings(num_threads=0, worker_count=2, prefetch=4, resident=False)
         >>> input_settings(224, cores=8)
-        {'num_threads': 8, 'worker_count': 0}
+        InputSettings(num_threads=8, worker_count=0, prefetch=4, resident=False)
         >>> input_settings(224, cores=1)
-        {'num_threads': 0, 'worker_count': 0}
+        InputSettings(num_threads=0, worker_count=0, prefetch=4, resident=False)
     """
     if isinstance(image_side, bool) or not isinstance(image_side, int) or image_side < 1:
         raise ValueError(f"image_side must be a positive int (pixels), got {image_side!r}.")
@@ -45,7 +47,7 @@ def input_settings(image_side: int, *, cores: int | None = None) -> dict[str, in
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be a positive int, got {cores!r}.")
     if cores == 1:
-        return {"num_threads": 0, "worker_count": 0}
+        return InputSettings(num_threads=0, worker_count=0)
     if image_side >= DECODE_BOUND_SIDE:
-        return {"num_threads": cores, "worker_count": 0}
-    return {"num_threads": 0, "worker_count": cores}
+        return InputSettings(num_threads=cores, worker_count=0)
+    return InputSettings(num_threads=0, worker_count=cores)

@@ -1,0 +1,116 @@
+"""``InputSettings``: how a pipeline builds and delivers its batches, in one object.
+
+Every pipeline (``TrainPipeline``, ``EvalPipeline``, ``MemberTrainPipeline``) takes
+``input_settings=InputSettings(...)``. The settings change how fast batches arrive,
+never which examples they hold or in what order: a run's batches are the same with any
+of them. ``meshkit.data.image.input_settings(side)`` returns the measured choice for
+image records. The pipelines' keywords of earlier releases (``num_threads``,
+``prefetch``, ``worker_count``, ``resident``) still work until 0.2.0, with a
+``DeprecationWarning`` naming the new form (``settings_with_deprecated``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from meshkit._checks import check_int
+from meshkit.data._resident import ResidentMode
+
+DEPRECATED_KEYWORDS = ("num_threads", "prefetch", "worker_count", "resident")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSettings:
+    """How a pipeline builds its batches and where it keeps the data.
+
+    Attributes:
+      num_threads: threads that read and transform examples ahead of time. ``None``:
+        0 for in-memory arrays without a transform (a batch is one numpy gather), 2
+        otherwise; 0 builds batches in the training loop's thread.
+      worker_count: Grain worker processes that build whole batches (the script needs
+        an ``if __name__ == "__main__":`` guard; they take a second or two to start).
+      prefetch: batches (for threads) or batches per worker built ahead of time.
+      resident: ``True`` places the whole dataset on the devices once and gathers each
+        batch there by index (the same examples in the same order as host input):
+        replicated when it fits within a quarter of one device's memory, else its rows
+        split over the data axes. ``"replicated"`` or ``"sharded"`` chooses the layout
+        (``EvalPipeline`` takes ``True`` or ``False``). ``False`` builds batches on the
+        host and copies each to the devices.
+
+    Examples:
+        >>> InputSettings(resident=True)
+        InputSettings(num_threads=None, worker_count=0, prefetch=4, resident=True)
+        >>> InputSettings(num_threads=-1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: InputSettings(num_threads=...) must be an int >= 0, got -1. None lets ...
+    """
+
+    num_threads: int | None = None
+    worker_count: int = 0
+    prefetch: int = 4
+    resident: bool | ResidentMode = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.resident, np.bool_):  # a plain bool: it goes into summaries
+            object.__setattr__(self, "resident", bool(self.resident))
+        if self.num_threads is not None:
+            check_int(
+                self.num_threads,
+                name="InputSettings(num_threads=...)",
+                minimum=0,
+                fix="None lets the pipeline choose (0 for in-memory arrays, 2 with a transform).",
+            )
+        check_int(self.worker_count, name="InputSettings(worker_count=...)", minimum=0)
+        check_int(self.prefetch, name="InputSettings(prefetch=...)", minimum=0)
+        if self.resident not in (True, False, "replicated", "sharded") or not isinstance(
+            self.resident, bool | str
+        ):
+            raise ValueError(
+                "InputSettings(resident=...) must be True, False, 'replicated' or 'sharded', "
+                f"got {self.resident!r}."
+            )
+
+    def describe(self) -> str:
+        """``"resident"`` or how host batches are built, for a run's summary."""
+        if self.resident is not False:
+            return "resident" if self.resident is True else f"resident ({self.resident})"
+        threads = "auto" if self.num_threads is None else self.num_threads
+        return f"host ({threads} threads, {self.worker_count} workers)"
+
+
+def settings_with_deprecated(
+    pipeline: str, settings: InputSettings | None, deprecated: Mapping[str, Any]
+) -> InputSettings:
+    """``settings``, or the pipeline keywords of earlier releases folded into one.
+
+    An unknown keyword is a ``TypeError`` naming the valid ones, an old keyword beside
+    ``input_settings=`` is one too (which would win is not obvious), and the old
+    keywords alone warn once with the ``InputSettings(...)`` that replaces them.
+    """
+    unknown = [name for name in deprecated if name not in DEPRECATED_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{pipeline}() got an unexpected keyword argument {unknown[0]!r}.")
+    if settings is not None and not isinstance(settings, InputSettings):
+        raise TypeError(
+            f"{pipeline}(input_settings=...) must be a meshkit.data.InputSettings, got "
+            f"{settings!r}. Build one with InputSettings(num_threads=..., resident=...)."
+        )
+    if not deprecated:
+        return settings or InputSettings()
+    new = f"input_settings=InputSettings({', '.join(f'{k}=...' for k in deprecated)})"
+    old = ", ".join(f"{name}=..." for name in deprecated)
+    if settings is not None:
+        raise TypeError(f"{pipeline}() got both input_settings= and {old}; pass only {new}.")
+    warnings.warn(
+        f"{pipeline}({old}) is deprecated and will be removed in meshkit 0.2.0 (see "
+        f"CHANGELOG.md); pass {new}.",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of the pipeline's constructor
+    )
+    return InputSettings(**deprecated)
