@@ -1,10 +1,12 @@
-"""Every ```python block in the docs runs.
+"""Every ```python block in the docs runs, on its own, in a fresh interpreter.
 
-The blocks of one page run in order, in one namespace (a fresh one per page), so a
-page may build on its earlier blocks. Shell commands are ```bash blocks and output is
-```text; neither runs. Blocks use only the devices that exist (``data=-1`` meshes or
-``jax.device_count()`` guards); they run in the 8-device pass, where a block that
-assumed one device would fail.
+A reader copies one block into a new Python session, on a machine with one device. So
+each block runs in a fresh process with JAX's defaults: it imports what it uses, and
+a block that needs several devices says so itself (``jax_num_cpu_devices``). A block
+that builds on the one before it says so on its first line (``# Continues the block
+above``) and runs after the blocks it continues, in the same process: a page's blocks
+fall into chains, each a block that stands alone and the continuations after it.
+Shell commands are ```bash blocks and output is ```text; neither runs.
 """
 
 from __future__ import annotations
@@ -68,13 +70,62 @@ def test_every_block_names_a_known_language(page: Path):
     )
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=page_id)
-def test_python_blocks_run(page: Path):
-    namespace: dict[str, object] = {"__name__": f"docs.{page.stem}"}
+CONTINUES = re.compile(r"# Continues the blocks? above\b")
+"""The first line of a block that uses names an earlier block of its page defined."""
+
+RUNNER = """
+import json, sys
+namespace = {"__name__": "__main__"}
+for page, line, body in json.loads(sys.stdin.read()):
+    exec(compile("\\n" * line + body, page, "exec"), namespace)
+"""
+"""Runs a chain's blocks in order in one namespace; tracebacks give the Markdown lines."""
+
+
+def chains(page: Path) -> list[list[tuple[int, str]]]:
+    """The page's blocks grouped into chains: one that stands alone, then its continuations."""
+    grouped: list[list[tuple[int, str]]] = []
     for line, body in python_blocks(page):
-        # Leading newlines make traceback line numbers those of the Markdown file.
-        code = compile("\n" * line + body, str(page), "exec")
-        exec(code, namespace)
+        if CONTINUES.match(body):
+            assert grouped, f"{page_id(page)}:{line} continues a block, but none comes before it"
+            grouped[-1].append((line, body))
+        else:
+            grouped.append([(line, body)])
+    return grouped
+
+
+CHAINS = [
+    pytest.param(page, chain, id=f"{page_id(page)}:{chain[0][0]}")
+    for page in RUNNABLE
+    for chain in chains(page)
+]
+
+
+@pytest.mark.once(8)  # a fresh process of its own, whatever the pass: in the lighter one
+@pytest.mark.parametrize(("page", "chain"), CHAINS)
+def test_each_block_runs_in_a_fresh_interpreter(page: Path, chain: list[tuple[int, str]]):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    blocks = [(str(page), line, body) for line, body in chain]
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=DOCS.parent,  # where a reader runs the docs' commands: the repository's root
+        env=environment,
+    )
+    assert out.returncode == 0, (
+        f"{page_id(page)}, the block at line {chain[0][0]}"
+        + (f" and its {len(chain) - 1} continuations" if len(chain) > 1 else "")
+        + f", failed in a fresh interpreter:\n{out.stderr[-3000:]}"
+    )
 
 
 def test_readme_quickstart_runs_in_a_fresh_process():
