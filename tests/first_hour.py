@@ -8,8 +8,9 @@ fresh virtual environment there (its ``python3`` first on ``PATH``, nothing else
 installed). Then, from the clone, it runs the README's first command exactly as
 written (install with the ``recipes`` extra, then ``python3 -m recipes.data_parallel``)
 and every other recipe with no arguments, and checks that each printed its expected
-result. The wall time of each command is printed as a markdown table, the one in
-docs/recipes/index.md.
+result. The wall time of each command is printed as a markdown table and written to
+``benchmarks/results/first_hour.json``; recorded (``python -m benchmarks.quoted record
+first_hour``), it is the table in docs/recipes/index.md and the README's timing.
 """
 
 from __future__ import annotations
@@ -156,7 +157,27 @@ def main(argv: list[str]) -> int:
     print("\n| command | wall time | result |\n| --- | ---: | --- |")
     for command, seconds, result in rows:
         print(f"| `{command}` | {seconds:.0f} s | {result} |")
+    write_results(rows)
     return 0
+
+
+def write_results(rows: list[tuple[str, float, str]]) -> None:
+    """``benchmarks/results/first_hour.json``: what docs/recipes/index.md and the README
+    quote once recorded (``python -m benchmarks.quoted record first_hour``)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "environment": {
+            "cores": len(os.sched_getaffinity(0)),
+            "memory_gib": memory,
+            "python": ".".join(map(str, sys.version_info[:3])),
+        },
+        "rows": [{"command": c, "seconds": s, "result": r} for c, s, r in rows],
+    }
+    path = ROOT / "benchmarks" / "results" / "first_hour.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

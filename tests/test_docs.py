@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.once  # the pages' code, once: at 8 devices
+pytestmark = pytest.mark.once  # the pages are the same in every pass: check them once
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -142,3 +142,25 @@ def test_readme_quickstart_runs_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == "64.0"
     assert "w     (64, 512)  float32" in out.stdout
+
+
+def test_quoted_measurements_are_the_recorded_runs():
+    """Every ``<!-- quoted: NAME -->`` region of the README and the docs equals its
+    rendering from the recorded run (``python -m benchmarks.quoted`` rewrites them)."""
+    from benchmarks import quoted
+
+    stale = []
+    names = set()
+    for path in quoted.quoting_files():
+        text = path.read_text()
+        names |= {match[2] for match in quoted.REGION.finditer(text)}
+        if quoted.rendered(text) != text:
+            stale.append(str(path.relative_to(quoted.ROOT)))
+    assert not stale, (
+        f"quoted measurements differ from the recorded runs in {stale}: run "
+        "`python -m benchmarks.quoted` (and edit the runs in benchmarks/quoted/, never the "
+        "numbers in the pages)"
+    )
+    assert names == set(quoted.RENDERERS), (
+        f"renderers no page quotes: {sorted(set(quoted.RENDERERS) - names)}"
+    )

@@ -1,0 +1,249 @@
+"""The measured numbers the docs quote, each from one recorded run.
+
+A table or phrase of measured numbers in README.md or docs/ sits between
+``<!-- quoted: NAME -->`` and ``<!-- /quoted -->``; ``NAME`` is a renderer here that
+builds it from a recorded run in ``benchmarks/quoted/<run>.json``. So the README and two
+pages that quote one measurement quote the same run, and a new run changes them all:
+
+    python -m benchmarks sweep                    # writes benchmarks/results/sweep.json
+    python -m benchmarks.quoted record sweep      # the run the docs quote from now on
+    python -m benchmarks.quoted                   # rewrites every quoted region
+
+``tests/first_hour.py`` writes ``benchmarks/results/first_hour.json`` the same way.
+``tests/test_docs.py`` checks that every region equals its rendering from the recorded
+runs. Results in ``benchmarks/results/`` stay untracked; a recorded run is tracked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = Path(__file__).resolve().parent / "quoted"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+REGION = re.compile(r"(<!-- quoted: ([\w.]+) -->)(.*?)(<!-- /quoted -->)", re.DOTALL)
+"""A quoted region: its opening marker, the renderer's name, the text, the closing marker."""
+
+
+def recorded(run: str) -> dict[str, Any]:
+    """The recorded run ``benchmarks/quoted/<run>.json``."""
+    return json.loads((RECORDED / f"{run}.json").read_text())
+
+
+def _seconds(value: float) -> str:
+    """Wall time as a reader says it: ``41 s``, ``2 min 1 s``, ``12 min``."""
+    if value < 100:
+        return f"{value:.0f} s"
+    minutes, seconds = divmod(round(value), 60)
+    return f"{minutes} min" if minutes >= 10 else f"{minutes} min {seconds} s"
+
+
+def _table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
+    rule = ["---:" if a == "right" else "---" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def first_hour_table(run: dict[str, Any]) -> str:
+    """Each command of the first hour: its wall time and checked result."""
+    rows = [[f"`{r['command']}`", _seconds(r["seconds"]), r["result"]] for r in run["rows"]]
+    return _table(["command", "wall time", "result"], ["left", "right", "left"], rows)
+
+
+def first_hour_first_command(run: dict[str, Any]) -> str:
+    """``about 30 s``: the README's first recipe, as the first hour measured it."""
+    row = next(r for r in run["rows"] if r["command"] == "python3 -m recipes.data_parallel")
+    return f"about {5 * round(row['seconds'] / 5):.0f} s"
+
+
+def first_hour_machine(run: dict[str, Any]) -> str:
+    """Where and with what the first hour was measured."""
+    env = run["environment"]
+    return (
+        f"{env['cores']} cores, {env['memory_gib']:.0f} GiB, Python {env['python']}, measured "
+        f"{run['date']}"
+    )
+
+
+SWEEP, RESIDENT, SEQUENTIAL = (
+    "sweep: run_sweep, one program",
+    "sweep: resident data, auto steps per dispatch",
+    "sequential: 16 fit runs",
+)
+_SWEEP_NAMES = {
+    SWEEP: "sweep (`run_sweep`, one program)",
+    RESIDENT: "sweep, resident data and `'auto'` steps per dispatch",
+    SEQUENTIAL: "sequential (16 `fit` runs)",
+}
+
+
+def sweep_table(run: dict[str, Any]) -> str:
+    """Every column of the sweep benchmark, for docs/benchmarks.md."""
+    rounds = run["candidates"][SEQUENTIAL]["rounds"]
+    header = [
+        "candidate",
+        "median s / 16 settings",
+        f"total s ({rounds} calls)",
+        "total / sequential",
+        "member-steps/s",
+        f"compiles ({rounds} calls)",
+        "train step compiles per call",
+        "median compile s",
+        "median s without compiles",
+        "best test accuracy",
+    ]
+    rows = []
+    for name, label in _SWEEP_NAMES.items():
+        c = run["candidates"][name]
+        ratio = f"{c['ratio_of_totals_vs_baseline']:.3f}"
+        rows.append(
+            [
+                label,
+                f"{c['median_s']:.1f}",
+                f"{c['total_s']:.1f}",
+                f"**{ratio}**" if name == SWEEP else ratio,
+                f"{c['member_steps_per_second']:.1f}",
+                str(c["compiles"]),
+                str(max(c["train_step_compiles_per_call"])),
+                f"{c['median_compile_seconds']:.1f}",
+                f"{c['median_seconds_excluding_compiles']:.1f}",
+                f"{c['best_test_accuracy']:.4f}",
+            ]
+        )
+    return _table(header, ["left"] + ["right"] * (len(header) - 1), rows)
+
+
+def sweep_summary(run: dict[str, Any]) -> str:
+    """The sweep against sequential runs in four columns, for docs/sweeps.md."""
+    header = ["", "median s", "total / sequential", "member-steps/s", "train-step compiles"]
+    rows = []
+    for name, label in _SWEEP_NAMES.items():
+        c = run["candidates"][name]
+        ratio = f"{c['ratio_of_totals_vs_baseline']:.3f}"
+        rows.append(
+            [
+                label,
+                f"{c['median_s']:.1f}",
+                f"**{ratio}**" if name == SWEEP else ratio,
+                f"{c['member_steps_per_second']:.1f}",
+                str(max(c["train_step_compiles_per_call"])),
+            ]
+        )
+    return _table(header, ["left", "right", "right", "right", "right"], rows)
+
+
+def sweep_ratio(run: dict[str, Any]) -> str:
+    """``0.125``: the sweep's ratio of totals to the sequential runs."""
+    return f"{run['sweep_over_sequential']:.3f}"
+
+
+def sweep_ratio_without_compiles(run: dict[str, Any]) -> str:
+    """The sweep's median time without compiles over the sequential runs'."""
+    c = run["candidates"]
+    sweep = c[SWEEP]["median_seconds_excluding_compiles"]
+    return f"{sweep / c[SEQUENTIAL]['median_seconds_excluding_compiles']:.2f}"
+
+
+def sweep_resident_over_sweep(run: dict[str, Any]) -> str:
+    """The resident, auto-dispatched sweep's time as a multiple of the one-step sweep's."""
+    c = run["candidates"]
+    return f"{c[RESIDENT]['total_s'] / c[SWEEP]['total_s']:.2f}"
+
+
+def sweep_versions(run: dict[str, Any]) -> str:
+    """The software and devices of the recorded sweep run."""
+    env = run["environment"]
+    return (
+        f"{env['devices']} fake {env['platform'].upper()} devices; Python {env['python']}, "
+        f"jax {env['jax']}, flax {env['flax']}, optax {env['optax']}"
+    )
+
+
+def _point(point: dict[str, float]) -> str:
+    return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in point.items())
+
+
+def sweep_best_settings(run: dict[str, Any]) -> str:
+    """Which setting each way found best, and how far the two disagree per setting."""
+    sweep, sequential = run["candidates"][SWEEP], run["candidates"][SEQUENTIAL]
+    examples = 360
+    images = round(run["max_accuracy_difference"] * examples)
+    return (
+        f"the sweep's best setting is {_point(sweep['best_point'])} "
+        f"({sweep['best_test_accuracy']:.4f}), the sequential runs' "
+        f"{_point(sequential['best_point'])} ({sequential['best_test_accuracy']:.4f}). Per "
+        f"setting the test accuracies differ by at most {run['max_accuracy_difference']:.4f} "
+        f"({images} of {examples} test images)"
+    )
+
+
+RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "first_hour.table": ("first_hour", first_hour_table),
+    "first_hour.first_command": ("first_hour", first_hour_first_command),
+    "first_hour.machine": ("first_hour", first_hour_machine),
+    "sweep.table": ("sweep", sweep_table),
+    "sweep.summary": ("sweep", sweep_summary),
+    "sweep.ratio": ("sweep", sweep_ratio),
+    "sweep.ratio_without_compiles": ("sweep", sweep_ratio_without_compiles),
+    "sweep.resident_over_sweep": ("sweep", sweep_resident_over_sweep),
+    "sweep.versions": ("sweep", sweep_versions),
+    "sweep.best_settings": ("sweep", sweep_best_settings),
+}
+"""Region name -> (the recorded run it reads, the function that renders it)."""
+
+
+def render(name: str) -> str:
+    """Region ``name``'s text from its recorded run."""
+    if name not in RENDERERS:
+        raise KeyError(f"no renderer named {name!r}; the renderers are {sorted(RENDERERS)}")
+    run, renderer = RENDERERS[name]
+    return renderer(recorded(run))
+
+
+def rendered(text: str) -> str:
+    """``text`` with every quoted region rendered afresh (a block region keeps its
+    blank lines around the rendering, an inline one stays inline)."""
+
+    def one(match: re.Match[str]) -> str:
+        opening, name, body, closing = match.groups()
+        new = render(name)
+        if body.startswith("\n"):  # a block: the markers on lines of their own
+            new = f"\n{new}\n"
+        return f"{opening}{new}{closing}"
+
+    return REGION.sub(one, text)
+
+
+def quoting_files() -> list[Path]:
+    """README.md and every docs page."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["record"]:
+        for run in argv[1:]:
+            RECORDED.mkdir(exist_ok=True)
+            shutil.copyfile(RESULTS / f"{run}.json", RECORDED / f"{run}.json")
+            print(f"recorded benchmarks/results/{run}.json as benchmarks/quoted/{run}.json")
+        argv = []
+    if argv:
+        print("usage: python -m benchmarks.quoted [record RUN ...]", file=sys.stderr)
+        return 2
+    for path in quoting_files():
+        text = path.read_text()
+        new = rendered(text)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote the quoted regions of {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
