@@ -252,6 +252,32 @@ def test_auto_keeps_one_step_without_a_probe_when_queuing_is_a_small_part_of_a_s
     assert long.chosen == 1 and long.next(room=100) == 1
 
 
+@pytest.mark.once
+@pytest.mark.parametrize(("unrolled", "left", "chosen"), [(True, 1000, 1), (False, 1000, None)])
+def test_auto_skips_the_probe_when_its_compile_would_outweigh_the_steps_left(
+    unrolled, left, chosen
+):
+    """Steps of 13 ms, 1.5 ms to queue one, a first dispatch of 0.8 s (the 16-CNN sweep on
+    8 fake CPU devices). Unrolled, a 15-step chunk compiles for about 12 s to save at
+    most 3 s over 1,000 steps: one step per dispatch. A loop compiles about as long as
+    the first dispatch, and the probe goes ahead."""
+    sizes = ChunkSizes("auto", period=150)
+    assert sizes.probe == 50
+    sizes.first_dispatch(0.8, unrolled=unrolled)
+    for _ in range(4):
+        sizes.ran(sizes.next(room=150))
+    sizes.timed(24, 24 * 13e-3, queuing=24 * 1.5e-3, left=left)
+    assert sizes.chosen == chosen
+    if chosen == 1:
+        assert sizes.next(room=150) == 1 and sizes.timing_group(room=150) is None
+        assert sizes.describe() == (
+            "1 step per dispatch (auto: a 15-step chunk would take about 12.0 s to compile "
+            "and save under 3.0 s over the steps left)"
+        )
+    else:
+        assert sizes.next(room=150) == sizes.probe
+
+
 # --- fit: the same training whatever the input path and the steps per dispatch -------
 
 _STEPS = 200
@@ -305,8 +331,15 @@ def per_step_reference(tmp_path_factory):
     [(True, 1, {1}), (False, 8, {2}), (True, 8, {2}), (True, "auto", {2, 3})],
 )
 def test_fit_trains_alike_for_every_input_path_and_chunk_size(
-    tmp_path, per_step_reference, resident, steps_per_dispatch, compiles
+    tmp_path, monkeypatch, per_step_reference, resident, steps_per_dispatch, compiles
 ):
+    if steps_per_dispatch == "auto":  # 200 steps are too few to pay for the probe's
+        real = ChunkSizes.first_dispatch  # compile: probe anyway, as a longer run would
+
+        def free_compiles(self, seconds, *, unrolled):
+            real(self, 0.0, unrolled=unrolled)
+
+        monkeypatch.setattr(ChunkSizes, "first_dispatch", free_compiles)
     reference, reference_log = per_step_reference
     result, logged = _fit(tmp_path, resident=resident, steps_per_dispatch=steps_per_dispatch)
     assert result.step == _STEPS

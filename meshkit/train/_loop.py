@@ -23,7 +23,7 @@ from meshkit._runtime import PreemptionWatcher, StallWatch
 from meshkit._types import Batch, Metrics
 from meshkit.data import GlobalBatchIterator, TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
-from meshkit.train._chunks import MAX_UNROLLED_AUTO_STEPS, ChunkSizes, boundary_period
+from meshkit.train._chunks import ChunkSizes, boundary_period
 from meshkit.train._feeds import HostChunks, ResidentChunks
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
@@ -498,17 +498,19 @@ class _Loop:
                 jax.block_until_ready(self.state)
                 began, self.queuing_seconds = time.perf_counter(), 0.0
             traced_now = interval is None  # the run's first dispatch traces the step
+            dispatched = time.perf_counter()
             for steps in plan:
                 interval, closed = self._dispatch(runner, interval, step, steps, profiler)
                 step += steps
                 pending = step - closed.at[-1][1] if closed.at else pending + steps
                 if not group:
                     sizes.ran(steps)
-            if traced_now and runner.unrolled:
-                sizes.most = min(sizes.most, MAX_UNROLLED_AUTO_STEPS)
+            if traced_now:  # waited for: its time is mostly the step's compile
+                sizes.first_dispatch(time.perf_counter() - dispatched, unrolled=runner.unrolled)
             if group:
                 jax.block_until_ready(self.state)
-                sizes.timed(sum(plan), time.perf_counter() - began, queuing=self.queuing_seconds)
+                seconds = time.perf_counter() - began
+                sizes.timed(sum(plan), seconds, queuing=self.queuing_seconds, left=num_steps - step)
             last = step == num_steps
             evaluate = evaluation is not None and evaluation.due(step, last=last)
             self.preempted = watcher.reached(step, steps=step - checked)
