@@ -191,7 +191,9 @@ def auto_steps(
     compiled: int | None = None,
 ) -> int:
     """The smallest divisor of ``period`` (up to ``most``) whose dispatch share is below
-    ``target``; the largest such divisor when none is. A chunk size already ``compiled``
+    ``target``; the largest such divisor when none is; one step when the probe ran no
+    faster per step than single steps (an unrolled CNN chunk on a CPU ran 0.6x as fast,
+    measured: the dispatch was free, the chunk was not). A chunk size already ``compiled``
     (the measurement's probe) that meets the target is kept, even where a smaller one
     would: a smaller chunk saves nothing a run shows and costs a compile, which on a
     short run is most of what the chunks save (measured: the tiny MLP on 8 fake CPU
@@ -210,7 +212,12 @@ def auto_steps(
         >>> eight = Measurement(one=1.6e-3, probe_steps=50, probe=1.4e-3)  # 8 fake devices
         >>> auto_steps(eight, 100), auto_steps(eight, 100, compiled=50)
         (5, 50)
+        >>> unrolled = Measurement(one=31e-3, probe_steps=16, probe=48e-3)  # slower per step
+        >>> auto_steps(unrolled, 96, compiled=16)
+        1
     """
+    if measured.overhead == 0:  # the chunk ran no faster per step: dispatching costs nothing
+        return 1
     divisors = [d for d in range(1, min(period, most) + 1) if period % d == 0]
     if compiled in divisors and measured.share(compiled) <= target:
         return compiled
