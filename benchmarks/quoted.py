@@ -184,6 +184,52 @@ def sweep_best_settings(run: dict[str, Any]) -> str:
     )
 
 
+_FIT_COLUMNS = {
+    "fit": "`fit` host (the default before resident data)",
+    "fit resident": "resident, N=1",
+    "fit resident N=8": "N=8",
+    "fit resident N=32": "N=32",
+    "fit resident N=auto": "`'auto'` (what it chose)",
+}
+
+
+def _chosen(descriptions: list[str]) -> str:
+    """``16`` or ``1, 16``: the steps per dispatch ``'auto'`` chose over a case's rounds."""
+    sizes = sorted({int(re.match(r"\d+", text)[0]) for text in descriptions})  # type: ignore[index]
+    return ", ".join(map(str, sizes))
+
+
+def fit_overhead_table(run: dict[str, Any]) -> str:
+    """Every case's rates against the bare per-step loop, from totals (compiles, auto's
+    probe and its choice all inside the timed rounds)."""
+    rows = []
+    for case in run["cases"]:
+        over = case["over_bare"]
+        best = max(over[name] for name in _FIT_COLUMNS if name in over)
+        cells = [case["title"]]
+        for name in _FIT_COLUMNS:
+            if name not in over:
+                cells.append("-")
+                continue
+            text = f"{over[name]:.2f}×"
+            text = f"**{text}**" if over[name] == best else text
+            if name == "fit resident N=auto":
+                text += f" ({_chosen(case['auto_chose'])})"
+            cells.append(text)
+        rows.append(cells)
+    header = ["case", *_FIT_COLUMNS.values()]
+    return _table(header, ["left"] + ["right"] * len(_FIT_COLUMNS), rows)
+
+
+def fit_overhead_versions(run: dict[str, Any]) -> str:
+    """The software of the recorded fit-overhead run."""
+    env = run["environment"]
+    return (
+        f"Python {env['python']}, jax {env['jax']}, flax {env['flax']}, optax "
+        f"{env['optax']}, {env['devices']} {env['platform'].upper()} devices"
+    )
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_hour.table": ("first_hour", first_hour_table),
     "first_hour.first_command": ("first_hour", first_hour_first_command),
@@ -195,6 +241,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "sweep.resident_over_sweep": ("sweep", sweep_resident_over_sweep),
     "sweep.versions": ("sweep", sweep_versions),
     "sweep.best_settings": ("sweep", sweep_best_settings),
+    "fit_overhead.table": ("fit_overhead", fit_overhead_table),
+    "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""
 
