@@ -107,7 +107,7 @@ def sweep_pipeline(
     With ``data_seed`` among the points' names, a ``MemberTrainPipeline`` in which
     member ``k`` reads the data in the order ``TrainPipeline(seed=data_seed_k)`` would;
     otherwise one ``TrainPipeline(seed=seed)`` shared by every member. ``options``
-    (``transform``, ``num_threads``...) go to the pipeline.
+    (``transform``, ``input_settings``...) go to the pipeline.
     """
     checked = check_points(points)
     common = {"global_batch_size": global_batch_size, "sharding": layout.batch_sharding}
