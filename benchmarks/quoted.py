@@ -221,6 +221,29 @@ def fit_overhead_table(run: dict[str, Any]) -> str:
     return _table(header, ["left"] + ["right"] * len(_FIT_COLUMNS), rows)
 
 
+def fit_overhead_host_table(run: dict[str, Any]) -> str:
+    """The host-input cases: the bare step, a hand loop that places each batch, and
+    ``fit``, in steps per second and as ratios (from totals)."""
+    rows = []
+    for case in run["cases"]:
+        rates = case["steps_per_second"]
+        if "gather + device_put" not in rates:
+            continue
+        rows.append(
+            [
+                case["title"],
+                f"{rates['bare step']:,.0f}",
+                f"{rates['gather + device_put']:,.0f}",
+                f"**{rates['fit']:,.0f}**",
+                f"{case['fit_over_gather_and_put']:.2f}",
+                f"{case['fit_over_bare']:.2f}",
+            ]
+        )
+    header = ["case", "bare step, steps/s", "gather + `device_put`", "`fit`"]
+    header += ["fit / gather + put", "fit / bare"]
+    return _table(header, ["left"] + ["right"] * 5, rows)
+
+
 def fit_overhead_versions(run: dict[str, Any]) -> str:
     """The software of the recorded fit-overhead run."""
     env = run["environment"]
@@ -242,6 +265,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "sweep.versions": ("sweep", sweep_versions),
     "sweep.best_settings": ("sweep", sweep_best_settings),
     "fit_overhead.table": ("fit_overhead", fit_overhead_table),
+    "fit_overhead.host_table": ("fit_overhead", fit_overhead_host_table),
     "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""

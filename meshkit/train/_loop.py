@@ -505,8 +505,11 @@ class _Loop:
                 pending = step - closed.at[-1][1] if closed.at else pending + steps
                 if not group:
                     sizes.ran(steps)
+            took = time.perf_counter() - dispatched
             if traced_now:  # waited for: its time is mostly the step's compile
-                sizes.first_dispatch(time.perf_counter() - dispatched, unrolled=runner.unrolled)
+                sizes.first_dispatch(took, unrolled=runner.unrolled)
+            elif not group:
+                sizes.dispatch_took(plan[0], took)
             if group:
                 jax.block_until_ready(self.state)
                 seconds = time.perf_counter() - began
