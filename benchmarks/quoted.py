@@ -244,6 +244,15 @@ def fit_overhead_host_table(run: dict[str, Any]) -> str:
     return _table(header, ["left"] + ["right"] * 5, rows)
 
 
+def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:
+    """How much faster the ensemble of tiny MLPs on 8 devices trains with resident data
+    and ``'auto'`` than with ``fit``'s host input, in the same run."""
+    case = next(
+        c for c in run["cases"] if c["title"].startswith("ensemble") and "8 device(s)" in c["title"]
+    )
+    return f"{case['over_fit']['fit resident N=auto']:.2f}"
+
+
 def fit_overhead_versions(run: dict[str, Any]) -> str:
     """The software of the recorded fit-overhead run."""
     env = run["environment"]
@@ -266,6 +275,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "sweep.best_settings": ("sweep", sweep_best_settings),
     "fit_overhead.table": ("fit_overhead", fit_overhead_table),
     "fit_overhead.host_table": ("fit_overhead", fit_overhead_host_table),
+    "fit_overhead.ensemble_over_fit": ("fit_overhead", fit_overhead_ensemble_over_fit),
     "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""

@@ -126,6 +126,13 @@ probe: a dispatch costs tens of microseconds on an accelerator and well under a
 millisecond of host work on a CPU, under 3% of such a step, while the probe's compile
 (an unrolled chunk of a large step on a CPU) can take longer than the run saves."""
 
+MIN_COMPILE_SECONDS = 0.05
+"""The least ``'auto'`` expects a chunk size it has not run yet to cost in compile time.
+The probe's own dispatch measures it, but in a process that ran the same step before
+(a sweep's next stage, a notebook's second ``fit``) the probe is compiled already and
+its dispatch takes microseconds, while a new size still compiles (the tiny MLP's
+chunk: 0.1 to 0.3 s on a CPU)."""
+
 MAX_AUTO_STEPS = 256
 """The largest chunk ``'auto'`` chooses on an accelerator."""
 
@@ -361,7 +368,8 @@ class ChunkSizes:
         assert self.chosen is not None
         chosen, probe = self.chosen, self.probe
         saving = left * self.measurement.overhead * (1 / probe - 1 / chosen)
-        compile_cost = self._probe_compile * (chosen / probe if self._unrolled else 1)
+        measured = max(self._probe_compile, MIN_COMPILE_SECONDS)
+        compile_cost = measured * (chosen / probe if self._unrolled else 1)
         return saving > compile_cost
 
     def describe(self) -> str:
