@@ -226,7 +226,7 @@ def fit_overhead_host_table(run: dict[str, Any]) -> str:
     ``fit``, in steps per second and as ratios (from totals)."""
     rows = []
     for case in run["cases"]:
-        rates = case["steps_per_second"]
+        rates = case.get("steps_per_second", {})  # the ensemble cases have no hand loop
         if "gather + device_put" not in rates:
             continue
         rows.append(
