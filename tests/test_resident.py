@@ -357,7 +357,7 @@ def per_step_reference(tmp_path_factory):
     [(True, 1, {1}), (False, 8, {2}), (True, 8, {2}), (True, "auto", {2, 3})],
 )
 def test_fit_trains_alike_for_every_input_path_and_chunk_size(
-    tmp_path, monkeypatch, per_step_reference, resident, steps_per_dispatch, compiles
+    tmp_path, monkeypatch, per_step_reference, *, resident, steps_per_dispatch, compiles
 ):
     if steps_per_dispatch == "auto":  # 200 steps are too few to pay for the probe's
         real = ChunkSizes.first_dispatch  # compile: probe anyway, as a longer run would
