@@ -58,10 +58,10 @@ class Sweep:
         >>> two.num_members, two.metric, two.mode
         (2, 'accuracy', 'max')
         >>> sweep.Sweep(model, tx, ensemble.classification_loss, layout, points,
-        ...             mode="best")  # doctest: +ELLIPSIS
+        ...             mode="best")
         Traceback (most recent call last):
         ...
-        ValueError: Sweep(mode=...) must be 'max' (higher scores are better) or 'min' ...
+        ValueError: Sweep(mode=...) must be 'max' (higher scores are better) or 'min', got 'best'.
     """
 
     model: Model
