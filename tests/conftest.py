@@ -27,6 +27,11 @@ set_cpu_devices(DEVICES)
 # and so for the processes it starts (a caught signal is reset to the default on exec).
 if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Under `nohup` SIGHUP is ignored too, and a launcher started with SIGHUP ignored keeps
+# ignoring it (as it should: the user asked for it), so the hangup tests would wait
+# for a stop that never comes. They need the default disposition.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def pytest_configure(config: pytest.Config) -> None:
