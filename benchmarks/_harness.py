@@ -123,3 +123,23 @@ def save(name: str, results: dict[str, Any]) -> Path:
     path.write_text(json.dumps({"environment": environment(), **results}, indent=2))
     print(f"\nwrote {path}")
     return path
+
+
+def fit_once(state: Any, step: Callable[..., Any], pipeline: Any, *, steps: int, n: Any = 1) -> Any:
+    """One ``meshkit.train.fit`` run of ``steps`` steps in a fresh workdir: one checkpoint
+    (the last step), no progress bar, ``n`` steps per dispatch."""
+    import tempfile
+
+    from meshkit import train
+
+    with tempfile.TemporaryDirectory() as workdir:
+        return train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=steps,
+            workdir=workdir,
+            checkpoints=train.Checkpoints(every=steps),
+            logging=train.Logging(progress=False),
+            dispatch=train.Dispatch(steps_per_dispatch=n),
+        )

@@ -31,7 +31,7 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._harness import fit_once, interleave, report, save  # noqa: E402
 from meshkit import data, train  # noqa: E402
 from meshkit.models import CifarNet  # noqa: E402
 
@@ -69,7 +69,6 @@ def whole_run_compiles(mesh) -> dict:
     1,437 is not a multiple of 512: the wiki's loop would end each epoch on a 413-image
     batch, which pmap cannot even split over 8 devices; meshkit drops the global remainder.
     """
-    import tempfile
 
     sharding = meshkit.batch_sharding(mesh)
     source = data.digits("train", image_size=32, channels=3)
@@ -80,16 +79,7 @@ def whole_run_compiles(mesh) -> dict:
         train.classification_loss, train.state_shardings_of(state), sharding
     )
     steps = 3 * pipeline.steps_per_epoch
-    with tempfile.TemporaryDirectory() as workdir:
-        result = train.fit(
-            state,
-            step,
-            pipeline,
-            num_steps=steps,
-            workdir=workdir,
-            checkpoints=train.Checkpoints(every=steps),
-            logging=train.Logging(progress=False),
-        )
+    result = fit_once(state, step, pipeline, steps=steps)
     return {
         "steps": steps,
         "epochs": 3,

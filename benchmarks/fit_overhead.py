@@ -38,7 +38,6 @@ import meshkit
 meshkit.distributed.initialize(cpu_devices=8)
 
 import collections  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any, Literal  # noqa: E402
@@ -48,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks._harness import Measured, interleave, report, save  # noqa: E402
+from benchmarks._harness import Measured, fit_once, interleave, report, save  # noqa: E402
 from meshkit import data, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -83,24 +82,6 @@ def hand_loop(
                 jax.block_until_ready(queued.popleft())
     jax.block_until_ready(state)
     return Measured(time.perf_counter() - started)
-
-
-def fit_once(
-    state: Any, step: Callable[..., Any], pipeline: data.TrainPipeline, *, steps: int, n: Any
-) -> train.FitResult:
-    """One ``fit`` run of ``steps`` steps in a fresh workdir: one checkpoint (the last
-    step), no progress bar, ``n`` steps per dispatch."""
-    with tempfile.TemporaryDirectory() as workdir:
-        return train.fit(
-            state,
-            step,
-            pipeline,
-            num_steps=steps,
-            workdir=workdir,
-            checkpoints=train.Checkpoints(every=steps),
-            logging=train.Logging(progress=False),
-            dispatch=train.Dispatch(steps_per_dispatch=n),
-        )
 
 
 def case(

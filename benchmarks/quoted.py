@@ -84,6 +84,35 @@ _SWEEP_NAMES = {
 }
 
 
+Cell = Callable[[dict[str, Any]], str]
+"""One column's text for one candidate of the sweep benchmark."""
+
+
+_SWEEP_CELLS: dict[str, Cell] = {
+    "median": lambda c: f"{c['median_s']:.1f}",
+    "total": lambda c: f"{c['total_s']:.1f}",
+    "ratio": lambda c: f"{c['ratio_of_totals_vs_baseline']:.3f}",
+    "rate": lambda c: f"{c['member_steps_per_second']:.1f}",
+    "compiles": lambda c: str(c["compiles"]),
+    "step compiles": lambda c: str(max(c["train_step_compiles_per_call"])),
+    "compile s": lambda c: f"{c['median_compile_seconds']:.1f}",
+    "without compiles": lambda c: f"{c['median_seconds_excluding_compiles']:.1f}",
+    "accuracy": lambda c: f"{c['best_test_accuracy']:.4f}",
+}
+
+
+def _sweep_rows(run: dict[str, Any], header: list[str], cells: list[str]) -> str:
+    """One row per candidate, ``cells`` naming its columns, the sweep's ratio in bold."""
+    rows = []
+    for name, label in _SWEEP_NAMES.items():
+        row = [_SWEEP_CELLS[cell](run["candidates"][name]) for cell in cells]
+        if name == SWEEP and "ratio" in cells:
+            index = cells.index("ratio")
+            row[index] = f"**{row[index]}**"
+        rows.append([label, *row])
+    return _table(header, ["left"] + ["right"] * len(cells), rows)
+
+
 def sweep_table(run: dict[str, Any]) -> str:
     """Every column of the sweep benchmark, for docs/benchmarks.md."""
     rounds = run["candidates"][SEQUENTIAL]["rounds"]
@@ -99,44 +128,13 @@ def sweep_table(run: dict[str, Any]) -> str:
         "median s without compiles",
         "best test accuracy",
     ]
-    rows = []
-    for name, label in _SWEEP_NAMES.items():
-        c = run["candidates"][name]
-        ratio = f"{c['ratio_of_totals_vs_baseline']:.3f}"
-        rows.append(
-            [
-                label,
-                f"{c['median_s']:.1f}",
-                f"{c['total_s']:.1f}",
-                f"**{ratio}**" if name == SWEEP else ratio,
-                f"{c['member_steps_per_second']:.1f}",
-                str(c["compiles"]),
-                str(max(c["train_step_compiles_per_call"])),
-                f"{c['median_compile_seconds']:.1f}",
-                f"{c['median_seconds_excluding_compiles']:.1f}",
-                f"{c['best_test_accuracy']:.4f}",
-            ]
-        )
-    return _table(header, ["left"] + ["right"] * (len(header) - 1), rows)
+    return _sweep_rows(run, header, list(_SWEEP_CELLS))
 
 
 def sweep_summary(run: dict[str, Any]) -> str:
     """The sweep against sequential runs in four columns, for docs/sweeps.md."""
     header = ["", "median s", "total / sequential", "member-steps/s", "train-step compiles"]
-    rows = []
-    for name, label in _SWEEP_NAMES.items():
-        c = run["candidates"][name]
-        ratio = f"{c['ratio_of_totals_vs_baseline']:.3f}"
-        rows.append(
-            [
-                label,
-                f"{c['median_s']:.1f}",
-                f"**{ratio}**" if name == SWEEP else ratio,
-                f"{c['member_steps_per_second']:.1f}",
-                str(max(c["train_step_compiles_per_call"])),
-            ]
-        )
-    return _table(header, ["left", "right", "right", "right", "right"], rows)
+    return _sweep_rows(run, header, ["median", "ratio", "rate", "step compiles"])
 
 
 def sweep_ratio(run: dict[str, Any]) -> str:
@@ -157,13 +155,15 @@ def sweep_resident_over_sweep(run: dict[str, Any]) -> str:
     return f"{c[RESIDENT]['total_s'] / c[SWEEP]['total_s']:.2f}"
 
 
+def _versions(env: dict[str, Any]) -> str:
+    """``Python 3.11.7, jax 0.10.2, flax 0.12.8, optax 0.2.8``: a recorded run's software."""
+    return f"Python {env['python']}, jax {env['jax']}, flax {env['flax']}, optax {env['optax']}"
+
+
 def sweep_versions(run: dict[str, Any]) -> str:
     """The software and devices of the recorded sweep run."""
     env = run["environment"]
-    return (
-        f"{env['devices']} fake {env['platform'].upper()} devices; Python {env['python']}, "
-        f"jax {env['jax']}, flax {env['flax']}, optax {env['optax']}"
-    )
+    return f"{env['devices']} fake {env['platform'].upper()} devices; {_versions(env)}"
 
 
 def _point(point: dict[str, float]) -> str:
@@ -256,10 +256,7 @@ def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:
 def fit_overhead_versions(run: dict[str, Any]) -> str:
     """The software of the recorded fit-overhead run."""
     env = run["environment"]
-    return (
-        f"Python {env['python']}, jax {env['jax']}, flax {env['flax']}, optax "
-        f"{env['optax']}, {env['devices']} {env['platform'].upper()} devices"
-    )
+    return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
 
 
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {

@@ -288,16 +288,12 @@ class TrainPipeline(_Pipeline):
         self.resident_mode: ResidentMode | None
         self.resident_mode, self.resident_bytes = self._resident_layout(settings.resident)
 
-    def _resident_layout(self, resident: object) -> tuple[ResidentMode | None, int]:
+    def _resident_layout(self, resident: bool | ResidentMode) -> tuple[ResidentMode | None, int]:
         """The resident layout and bytes per device (``(None, 0)``: host input); checked
         when the pipeline is built, so a dataset that cannot be resident is refused
         before anything compiles."""
-        if resident is False:
+        if resident is False:  # else True, "replicated" or "sharded" (InputSettings checks)
             return None, 0
-        if resident not in (True, "replicated", "sharded"):
-            raise ValueError(
-                f"resident must be True, False, 'replicated' or 'sharded', got {resident!r}."
-            )
         once = self.transform is not None and getattr(self.transform, "deterministic", False)
         if self.transform is not None and not once:
             name = getattr(self.transform, "__name__", type(self.transform).__name__)

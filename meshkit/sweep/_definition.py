@@ -12,7 +12,7 @@ from meshkit.ensemble import EnsembleLayout, MemberLossFn
 from meshkit.ensemble._strategy import MemberStrategy
 from meshkit.sweep._schedules import Mode, Schedule, SuccessiveHalving
 from meshkit.sweep._space import Space, Value, check_points
-from meshkit.sweep._state import create_sweep_state
+from meshkit.sweep._state import check_layout_holds, create_sweep_state
 from meshkit.train import Model, Precision, TrainState
 
 
@@ -87,12 +87,7 @@ class Sweep:
                 f"Sweep(layout=...) must be a meshkit.ensemble.EnsembleLayout, got "
                 f"{self.layout!r}. Build one with EnsembleLayout(mesh, len(points))."
             )
-        if len(self.points) != self.layout.num_members:
-            raise ValueError(
-                f"The sweep has {len(self.points)} points but the layout holds "
-                f"{self.layout.num_members} members ({self.layout!r}). Build the layout "
-                "with EnsembleLayout(mesh, len(points))."
-            )
+        check_layout_holds(self.points, self.layout)
         if self.mode not in ("max", "min"):
             raise ValueError(
                 f"Sweep(mode=...) must be 'max' (higher scores are better) or 'min', got "

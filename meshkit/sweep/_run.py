@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from meshkit._host import to_host
 from meshkit._paths import PathLike, as_path, write_text_atomically
+from meshkit._types import PerExampleFn
 from meshkit.data import TrainPipeline
 from meshkit.ensemble import (
     EnsembleLayout,
@@ -117,8 +118,9 @@ def sweep_pipeline(
     return TrainPipeline(source, seed=seed, **common, **options)
 
 
-def _checked_evaluation(sweep: object, evaluation: object) -> Evaluation:
-    """``evaluation`` with the ensemble metrics filled in, after checking both types."""
+def _checked_evaluation(sweep: object, evaluation: object) -> tuple[Evaluation, PerExampleFn]:
+    """``evaluation`` with the ensemble metrics filled in, and its per-example function,
+    after checking both types."""
     if not isinstance(sweep, Sweep):
         raise TypeError(
             f"run_sweep takes a meshkit.sweep.Sweep first, got {type(sweep).__name__}: build "
@@ -129,9 +131,8 @@ def _checked_evaluation(sweep: object, evaluation: object) -> Evaluation:
             "run_sweep(evaluation=...) must be a meshkit.train.Evaluation, got "
             f"{type(evaluation).__name__}: pass Evaluation(eval_pipeline)."
         )
-    if evaluation.per_example_fn is not None:
-        return evaluation
-    return dataclasses.replace(evaluation, per_example_fn=ensemble_metrics(sweep.layout))
+    score_fn = evaluation.per_example_fn or ensemble_metrics(sweep.layout)
+    return dataclasses.replace(evaluation, per_example_fn=score_fn), score_fn
 
 
 def _check_pipeline(pipeline: TrainPipeline, points: Sequence[Point]) -> None:
@@ -217,7 +218,7 @@ def run_sweep(
         'auto')`` runs many steps of all K members per program, with a pipeline built
         with ``InputSettings(resident=True)`` the data on the devices.
     """
-    evaluation = _checked_evaluation(sweep, evaluation)
+    evaluation, score_fn = _checked_evaluation(sweep, evaluation)
     layout, metric, mode, schedule, seed = (
         sweep.layout,
         sweep.metric,
@@ -233,7 +234,6 @@ def run_sweep(
     workdir.mkdir(parents=True, exist_ok=True)
     _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
     member_batches = "data_seed" in checked[0]
-    score_fn = evaluation.per_example_fn or ensemble_metrics(layout)  # filled in: checked
     step = _step(sweep.loss_fn, layout, member_batches, sweep.microbatches, sweep.strategy)
     stage_settings = {
         "evaluation": None if evaluation.every is None else evaluation,

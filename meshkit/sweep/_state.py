@@ -91,6 +91,16 @@ def _create(
     return jax.jit(create, out_shardings=layout.state_sharding)
 
 
+def check_layout_holds(points: Sequence[object], layout: EnsembleLayout) -> None:
+    """Raises unless ``layout`` holds one member per point."""
+    if len(points) != layout.num_members:
+        raise ValueError(
+            f"The sweep has {len(points)} points but the layout holds "
+            f"{layout.num_members} members ({layout!r}). Build the layout with "
+            f"EnsembleLayout(mesh, {len(points)})."
+        )
+
+
 def create_sweep_state(
     model: Model,
     tx: optax.GradientTransformation,
@@ -128,12 +138,7 @@ def create_sweep_state(
         [0.10000000149011612, 0.009999999776482582]
     """
     checked = check_points(points)
-    if len(checked) != layout.num_members:
-        raise ValueError(
-            f"The sweep has {len(checked)} points but the layout holds "
-            f"{layout.num_members} members ({layout!r}). Build the layout with "
-            f"EnsembleLayout(mesh, {len(checked)})."
-        )
+    check_layout_holds(checked, layout)
     optimizer_names, loss_names = split_names(checked, tx, model, tuple(loss_values))
     swept_tx = sweep_optimizer(tx, loss_names)
     values = value_arrays(checked, optimizer_names + loss_names)
