@@ -353,7 +353,7 @@ def place_stacked_rows(local: Any, sharding: NamedSharding, global_batch_size: i
     """
     return _place_rows(
         local,
-        _stacked_sharding(sharding),
+        stacked_sharding(sharding),
         lambda shape: (shape[0], global_batch_size, *shape[2:]),
     )
 
@@ -379,7 +379,8 @@ def _place_rows(
 
 
 @functools.lru_cache(maxsize=16)
-def _stacked_sharding(sharding: NamedSharding) -> NamedSharding:
+def stacked_sharding(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` with a leading step axis, whole on every device."""
     return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 

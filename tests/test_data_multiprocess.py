@@ -32,13 +32,14 @@ def augment(record, rng):
     return {"x": record["x"] + rng.normal(size=3).astype(np.float32), "y": record["y"]}
 
 
-def train_stream(mesh: jax.sharding.Mesh) -> list[dict[str, np.ndarray]]:
+def train_stream(mesh: jax.sharding.Mesh, placement: Any = "auto") -> list[dict[str, np.ndarray]]:
     pipeline = TrainPipeline(
         source(),
         global_batch_size=16,
         sharding=meshkit.batch_sharding(mesh),
         seed=11,
         transform=augment,
+        input_settings=InputSettings(placement=placement),
     )
     with GlobalBatchIterator(pipeline) as batches:
         return [meshkit.to_host(next(batches)) for _ in range(STEPS)]
@@ -46,6 +47,10 @@ def train_stream(mesh: jax.sharding.Mesh) -> list[dict[str, np.ndarray]]:
 
 def child_train_data_axis() -> list[dict[str, np.ndarray]]:
     return train_stream(meshkit.make_mesh("data=-1"))
+
+
+def child_train_placed_by_threads() -> list[dict[str, np.ndarray]]:
+    return train_stream(meshkit.make_mesh("data=-1"), placement="thread")
 
 
 def child_train_replica_axis() -> list[dict[str, np.ndarray]]:
@@ -83,6 +88,14 @@ def assert_same_stream(a, b):
 def test_two_processes_see_the_same_global_batches_as_one():
     one_process = train_stream(meshkit.make_mesh("data=-1"))
     for stream in run_processes(child_train_data_axis):
+        assert_same_stream(stream, one_process)
+
+
+@pytest.mark.devices(8)
+def test_placing_threads_on_two_processes_give_the_same_global_batches_as_one():
+    """Each process's thread builds its global arrays from its own rows (no collective)."""
+    one_process = train_stream(meshkit.make_mesh("data=-1"))
+    for stream in run_processes(child_train_placed_by_threads):
         assert_same_stream(stream, one_process)
 
 

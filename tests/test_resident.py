@@ -311,7 +311,14 @@ _TX = optax.sgd(0.05, momentum=0.9)
 _MODEL = train.linen_model(TinyMLP(), jnp.zeros((1, 8, 8, 1)))
 
 
-def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: Any, num_steps: int = _STEPS):
+def _fit(
+    workdir: Path,
+    *,
+    resident: bool,
+    steps_per_dispatch: Any,
+    num_steps: int = _STEPS,
+    placement: Any = "auto",
+):
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
     state = train.create_train_state(_MODEL, _TX, mesh, seed=0)
@@ -320,7 +327,7 @@ def _fit(workdir: Path, *, resident: bool, steps_per_dispatch: Any, num_steps: i
         data.digits("train"),
         global_batch_size=64,
         sharding=sharding,
-        input_settings=data.InputSettings(resident=resident),
+        input_settings=data.InputSettings(resident=resident, placement=placement),
     )
     result = train.fit(
         state,
@@ -353,11 +360,19 @@ def per_step_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("resident", "steps_per_dispatch", "compiles"),
-    [(True, 1, {1}), (False, 8, {2}), (True, 8, {2}), (True, "auto", {2, 3})],
+    ("resident", "steps_per_dispatch", "compiles", "placement"),
+    [
+        (True, 1, {1}, "auto"),
+        (False, 8, {2}, "auto"),
+        (True, 8, {2}, "auto"),
+        (True, "auto", {2, 3}, "auto"),
+        # placed by a thread: the loop's programs (compiled already when those ran first)
+        (False, 1, {0}, "thread"),
+        (False, 8, {0, 2}, "thread"),
+    ],
 )
 def test_fit_trains_alike_for_every_input_path_and_chunk_size(
-    tmp_path, monkeypatch, per_step_reference, *, resident, steps_per_dispatch, compiles
+    tmp_path, monkeypatch, per_step_reference, *, resident, steps_per_dispatch, compiles, placement
 ):
     if steps_per_dispatch == "auto":  # 200 steps are too few to pay for the probe's
         real = ChunkSizes.first_dispatch  # compile: probe anyway, as a longer run would
@@ -367,7 +382,9 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
 
         monkeypatch.setattr(ChunkSizes, "first_dispatch", free_compiles)
     reference, reference_log = per_step_reference
-    result, logged = _fit(tmp_path, resident=resident, steps_per_dispatch=steps_per_dispatch)
+    result, logged = _fit(
+        tmp_path, resident=resident, steps_per_dispatch=steps_per_dispatch, placement=placement
+    )
     assert result.step == _STEPS
     assert sorted(logged) == sorted(reference_log)  # every 10 steps, whatever the chunk
     for step, loss in reference_log.items():
@@ -384,6 +401,7 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
         compiles = {1}
     assert result.train_step_compiles in compiles
     assert result.input_path.startswith("resident (replicated" if resident else "host")
+    assert result.input_path.endswith("placed by a thread") == (placement == "thread")
     if steps_per_dispatch == 8:
         assert result.steps_per_dispatch == 8
     checkpoints = sorted(

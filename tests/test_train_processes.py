@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,6 +177,65 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_of_a_chunke
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["preempted"] and summary["processes"] == 2 and summary["steps"] < 400
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())[-1] == summary["steps"]
+
+
+class _TinyMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
+
+
+def fit_auto_with_unequal_clocks(workdir: str) -> dict:
+    """A 300-step resident run with ``'auto'`` whose processes' clocks disagree: process
+    0's says queuing a step costs 100 times what it does, process 1's a 10,000th, so
+    deciding alone process 1 would keep one step per dispatch while process 0 probes
+    chunks of 50. (Both clocks put the step at a tenth of its time, far from the
+    50 ms above which ``'auto'`` keeps one step whatever queuing costs.)"""
+    from meshkit.train import _chunks
+
+    timed = _chunks.ChunkSizes.timed
+    queuing_scale = 100.0 if jax.process_index() == 0 else 1e-4
+
+    def skewed(self, steps, seconds, *, queuing, left=None):
+        timed(self, steps, seconds * 0.1, queuing=queuing * queuing_scale, left=left)
+
+    _chunks.ChunkSizes.timed = skewed
+    mesh = meshkit.make_mesh("data=-1")
+    sharding = meshkit.batch_sharding(mesh)
+    model = train.linen_model(_TinyMLP(), jnp.zeros((1, 8, 8, 1)))
+    state = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh, seed=0)
+    step = train.make_train_step(
+        train.classification_loss, train.state_shardings_of(state), sharding
+    )
+    pipeline = data.TrainPipeline(
+        data.digits("train"),
+        global_batch_size=64,
+        sharding=sharding,
+        input_settings=data.InputSettings(resident=True),
+    )
+    result = train.fit(
+        state,
+        step,
+        pipeline,
+        num_steps=300,
+        workdir=workdir,
+        checkpoints=train.Checkpoints(every=100),
+        logging=train.Logging(every=50, progress=False),
+        dispatch=train.Dispatch(steps_per_dispatch="auto"),
+    )
+    return {"dispatch": result.dispatch, "params": meshkit.to_host(result.state.params)}
+
+
+@pytest.mark.devices(8)
+def test_processes_choose_one_chunk_size_for_auto_from_the_slowest_measurement(tmp_path):
+    """Chosen apart, one process's chunk program would meet another's single steps."""
+    first, second = run_processes(fit_auto_with_unequal_clocks, str(tmp_path), timeout=240)
+    assert first["dispatch"] == second["dispatch"]
+    assert "auto:" in first["dispatch"] and "us per dispatch" in first["dispatch"]  # probed
+    for a, b in zip(
+        jax.tree.leaves(first["params"]), jax.tree.leaves(second["params"]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize(

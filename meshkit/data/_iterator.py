@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from meshkit._batch import place_local_rows
+from meshkit.data._ahead import PlacedAhead, places_in_thread
 from meshkit.data._pipeline import EvalPipeline, TrainPipeline
 
 
@@ -27,11 +28,13 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
     """Iterates global ``jax.Array`` batches, each placed on the devices ``prefetch`` steps early.
 
     Each process-local batch from the pipeline becomes a global array with
-    ``meshkit.shard_batch`` (no cross-process communication). Placement is queued
-    asynchronously, like a step, so the host-to-device copies of the next ``prefetch``
-    batches overlap the steps already queued; no thread of its own, so nothing
-    competes with the training loop for the interpreter. (Per-example work runs in
-    the pipeline's own threads or worker processes.) ``state()`` is a small JSON-able
+    ``meshkit.shard_batch`` (no cross-process communication). Who places it follows
+    the pipeline's ``InputSettings.placement``: on a CPU (``'auto'``) the caller's
+    thread, queued asynchronously like a step, so the host-to-device copies of the
+    next ``prefetch`` batches overlap the steps already queued and nothing competes
+    with the training loop for the interpreter; on a GPU or TPU a thread of its own
+    that keeps ``prefetch`` batches placed, so the caller only takes them. (Per-example
+    work runs in the pipeline's own threads or worker processes.) ``state()`` is a small JSON-able
     dict (step, seed, shuffle, global batch size, source fingerprint) for checkpoints;
     passing it back as ``state=`` resumes at that step, and is refused if the seed,
     shuffle setting, batch size or data differ.
@@ -72,7 +75,11 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         processes) and building the first batches. A one-off, like a compilation."""
         self._local: Any = None  # the pipeline's iterator, opened by the first next()
         self._placed: collections.deque[dict[str, jax.Array]] = collections.deque()
+        self._ahead: PlacedAhead[dict[str, jax.Array]] | None = None  # placing thread's
+        self.in_thread = places_in_thread(pipeline.input_settings.placement, pipeline.sharding)
+        """Whether a thread of its own places the batches (else ``next()`` does)."""
         self._exhausted = False
+        self._error: Exception | None = None  # building a later batch failed: raised in turn
         self._closed = False
 
     def __next__(self) -> dict[str, jax.Array]:
@@ -96,16 +103,36 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         pipeline = self.pipeline
         if self._local is None:
             self._local = pipeline.local_batches(self._step)
+            if self.in_thread:
+                self._ahead = PlacedAhead(
+                    self._local,
+                    lambda local: place_local_rows(
+                        local, pipeline.sharding, pipeline.global_batch_size
+                    ),
+                    ahead=max(1, self.prefetch),
+                )
+        if self._ahead is not None:
+            placed = next(self._ahead)  # StopIteration at the end, as below
+            self._step += 1
+            return placed
         while len(self._placed) <= self.prefetch and not self._exhausted:
             try:
                 local = next(self._local)
             except StopIteration:
                 self._exhausted = True
                 break
+            except Exception as error:
+                if not self._placed:
+                    raise
+                self._error, self._exhausted = error, True  # the batches before it come first
+                break
             self._placed.append(
                 place_local_rows(local, pipeline.sharding, pipeline.global_batch_size)
             )
         if not self._placed:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
             raise StopIteration
         self._step += 1
         return self._placed.popleft()
@@ -133,6 +160,10 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         """Releases the placed batches and the pipeline's iterator (and its threads)."""
         self._closed = True
         self._placed.clear()
+        if self._ahead is not None:
+            self._ahead.close()  # stops the thread, then closes the pipeline's iterator
+            self._ahead = None
+            self._local = None
         close = getattr(self._local, "close", None)
         if close is not None:
             close()

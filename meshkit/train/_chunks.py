@@ -26,6 +26,8 @@ from typing import Any, Literal
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from meshkit._host import replicated_sharding
@@ -333,7 +335,14 @@ class ChunkSizes:
         times as long unrolled) would take longer than that bound saves over the
         ``left`` steps: measured, a 150-step sweep of 16 CNNs on 8 fake CPU devices spent
         8 s compiling an unrolled 10-step chunk to save under 1 s.
+
+        With several processes every one of them decides from the same numbers, the
+        slowest process's (gathered here, at the same step in each): a chunk size
+        chosen apart would pair one process's chunk program with another's single
+        steps, whose collectives do not match.
         """
+        if self._phase in ("time", "probe"):
+            seconds, queuing = self._agreed(seconds, queuing)
         if self._phase == "time":
             self._one = seconds / steps
             self._phase = "compile"
@@ -356,6 +365,19 @@ class ChunkSizes:
             self._phase = "done"
             if self.chosen > self.probe and not self._pays_for_its_compile(left):
                 self.chosen = self.probe
+
+    def _agreed(self, seconds: float, queuing: float) -> tuple[float, float]:
+        """``seconds`` and ``queuing`` (and the compile times recorded so far) as the
+        slowest process measured them; this process's own where it is the only one."""
+        if jax.process_count() == 1:
+            return seconds, queuing
+        mine = [seconds, queuing, self._first_dispatch or 0.0, self._probe_compile or 0.0]
+        slowest = np.asarray(multihost_utils.process_allgather(np.asarray(mine))).max(axis=0)
+        if self._first_dispatch is not None:
+            self._first_dispatch = float(slowest[2])
+        if self._probe_compile is not None:
+            self._probe_compile = float(slowest[3])
+        return float(slowest[0]), float(slowest[1])
 
     def _pays_for_its_compile(self, left: int | None) -> bool:
         """Whether the chosen chunk, larger than the compiled probe, saves more over the

@@ -9,14 +9,19 @@ feed resumes with the other) and the seconds spent waiting for input.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from meshkit._batch import place_stacked_rows
+from meshkit._batch import place_stacked_rows, stacked_sharding
 from meshkit.data import TrainPipeline
+from meshkit.data._ahead import PlacedAhead, places_in_thread
 from meshkit.data._iterator import check_state
 
 
@@ -65,34 +70,66 @@ class _Feed:
 
 
 class HostChunks(_Feed):
-    """Chunks of host batches: ``steps`` of this process's batches stacked, placed at once."""
+    """Chunks of host batches: ``steps`` of this process's batches, on the devices stacked.
+
+    Placed by the loop (``steps`` batches stacked on the host, one transfer), or by a
+    placing thread (``InputSettings.placement``; on GPUs and TPUs by default) that keeps
+    a chunk's batches placed one by one ahead of the loop, joined on the devices.
+    """
 
     batch_of = staticmethod(whole_batch)
 
     def __init__(self, pipeline: TrainPipeline, state: Mapping[str, Any] | None = None):
         super().__init__(pipeline, state)
         self._local: Iterator[Any] | None = None
+        self.in_thread = places_in_thread(pipeline.input_settings.placement, pipeline.sharding)
+        self._ahead: PlacedAhead[Any] | None = None
 
     def _chunk(self, steps: int) -> tuple[Any, Any]:
+        pipeline = self.pipeline
         if self._local is None:
-            self._local = iter(self.pipeline.local_batches(self.step))
+            self._local = iter(pipeline.local_batches(self.step))
+            if self.in_thread:
+                self._ahead = PlacedAhead(self._local, self._place_one, ahead=steps)
+        if self._ahead is not None:
+            self._ahead.want(steps)  # the next chunk is placed while this one runs
+            placed = [next(self._ahead) for _ in range(steps)]
+            return None, placed[0] if steps == 1 else _joined(pipeline.sharding)(*placed)
         batches = [next(self._local) for _ in range(steps)]
         if steps == 1:
             stacked = {key: np.asarray(value)[None] for key, value in batches[0].items()}
         else:
             stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
-        pipeline = self.pipeline
         return None, place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
+
+    def _place_one(self, batch: Any) -> Any:
+        """One step's batch as a chunk of one (the placing thread's work)."""
+        one = {key: np.asarray(value)[None] for key, value in batch.items()}
+        return place_stacked_rows(one, self.pipeline.sharding, self.pipeline.global_batch_size)
 
     def describe(self) -> str:
         """How input reaches the devices, for a run's summary."""
-        return "host"
+        return "host, placed by a thread" if self.in_thread else "host"
 
     def close(self) -> None:
-        close = getattr(self._local, "close", None)
-        if close is not None:
-            close()
+        if self._ahead is not None:
+            self._ahead.close()  # stops the thread, then closes the pipeline's iterator
+        else:
+            close = getattr(self._local, "close", None)
+            if close is not None:
+                close()
+        self._ahead = None
         self._local = None
+
+
+@functools.lru_cache(maxsize=16)
+def _joined(sharding: NamedSharding) -> Any:
+    """Chunks of one step joined into one chunk on the devices (no communication: the
+    step axis is whole on every device)."""
+    return jax.jit(
+        lambda *chunks: jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *chunks),
+        out_shardings=stacked_sharding(sharding),
+    )
 
 
 class ResidentChunks(_Feed):

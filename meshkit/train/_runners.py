@@ -111,7 +111,7 @@ class PerStep:
         return self.sums.zeros
 
     def describe(self) -> str:
-        return "host"
+        return "host, placed by a thread" if self.feed.in_thread else "host"
 
 
 class Chunked:

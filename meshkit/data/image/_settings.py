@@ -35,11 +35,11 @@ def input_settings(image_side: int, *, cores: int | None = None) -> InputSetting
 
     Examples:
         >>> input_settings(32, cores=2)
-        InputSettings(num_threads=0, worker_count=2, prefetch=4, resident=False)
+        InputSettings(num_threads=0, worker_count=2, prefetch=4, resident=False, placement='auto')
         >>> input_settings(224, cores=8)
-        InputSettings(num_threads=8, worker_count=0, prefetch=4, resident=False)
+        InputSettings(num_threads=8, worker_count=0, prefetch=4, resident=False, placement='auto')
         >>> input_settings(224, cores=1)
-        InputSettings(num_threads=0, worker_count=0, prefetch=4, resident=False)
+        InputSettings(num_threads=0, worker_count=0, prefetch=4, resident=False, placement='auto')
     """
     if isinstance(image_side, bool) or not isinstance(image_side, int) or image_side < 1:
         raise ValueError(f"image_side must be a positive int (pixels), got {image_side!r}.")

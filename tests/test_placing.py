@@ -1,0 +1,152 @@
+"""Host batches placed by a thread of their own: the same batches, errors and state as the loop's.
+
+References: the batches the training loop places itself (bit for bit, several epochs,
+a global batch that does not divide the dataset), its error at the same batch, and
+``fit``'s training with loop placement (in test_resident.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit import data
+from meshkit.data._ahead import PlacedAhead, places_in_thread
+from meshkit.train._feeds import HostChunks
+
+STEPS = 9  # three epochs of 50 examples at batch 16
+
+
+def source() -> data.ArraySource:
+    rng = np.random.default_rng(0)
+    return data.ArraySource(
+        {
+            "x": rng.normal(size=(50, 3)).astype(np.float32),
+            "label": rng.integers(0, 10, 50),
+            "id": np.arange(50),
+        }
+    )
+
+
+def pipeline(placement: str, **kwargs: Any) -> data.TrainPipeline:
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+    return data.TrainPipeline(
+        source(),
+        global_batch_size=16,
+        sharding=sharding,
+        seed=3,
+        input_settings=data.InputSettings(placement=placement),  # type: ignore[arg-type]
+        **kwargs,
+    )
+
+
+def stream(batches: Any, steps: int) -> list[dict[str, np.ndarray]]:
+    return [meshkit.to_host(next(batches)) for _ in range(steps)]
+
+
+def assert_bit_identical(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert sorted(x) == sorted(y)
+        for key in x:
+            assert x[key].dtype == y[key].dtype, key
+            assert x[key].tobytes() == y[key].tobytes(), key
+
+
+def placing_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "meshkit-placing"]
+
+
+def test_a_placing_thread_gives_the_loops_batches_and_data_state():
+    with data.GlobalBatchIterator(pipeline("loop")) as loop:
+        expected = stream(loop, STEPS)
+    with data.GlobalBatchIterator(pipeline("thread")) as placed:
+        first = stream(placed, 4)
+        assert placing_threads()
+        state = placed.state()
+    assert not placing_threads()  # close() stopped it
+    assert state["step"] == 4  # batches taken, not batches placed ahead
+    with data.GlobalBatchIterator(pipeline("thread"), state=state) as resumed:
+        rest = stream(resumed, STEPS - 4)
+    assert_bit_identical(first + rest, expected)
+
+
+def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps():
+    """Chunks of 1, 4 and 3 steps, joined on the devices, equal the loop's stacks."""
+    chunks = {}
+    for placement in ("loop", "thread"):
+        feed = HostChunks(pipeline(placement))
+        try:
+            chunks[placement] = [meshkit.to_host(feed.next_chunk(n)[1]) for n in (1, 4, 3)]
+            assert feed.state()["step"] == 8
+        finally:
+            feed.close()
+        assert feed.describe() == ("host, placed by a thread" if placement == "thread" else "host")
+    assert not placing_threads()
+    assert [c["x"].shape for c in chunks["thread"]] == [(1, 16, 3), (4, 16, 3), (3, 16, 3)]
+    assert_bit_identical(chunks["thread"], chunks["loop"])
+
+
+def _fails_at_example_40(record: dict, rng: np.random.Generator) -> dict:
+    del rng
+    if int(record["id"]) == 40:
+        raise ValueError("example 40 is corrupt")
+    return record
+
+
+def test_an_error_while_placing_is_raised_at_the_batch_it_belongs_to():
+    """The batches before it arrive; then the transform's own error, as on the loop."""
+    outcomes = {}
+    for placement in ("loop", "thread"):
+        got = 0
+        with (
+            data.GlobalBatchIterator(
+                pipeline(placement, transform=_fails_at_example_40, shuffle=False)
+            ) as batches,
+            pytest.raises(ValueError) as raised,
+        ):
+            for _ in range(STEPS):
+                next(batches)
+                got += 1
+        outcomes[placement] = (got, str(raised.value))
+    assert outcomes["thread"] == outcomes["loop"]
+    assert outcomes["loop"][0] == 2  # example 40 is in batch 2 (rows 32..47)
+    assert "example 40 is corrupt" in outcomes["loop"][1]
+    assert not placing_threads()
+
+
+def test_the_thread_keeps_as_many_placed_items_ready_as_asked():
+    placed: list[int] = []
+    ahead = PlacedAhead(iter(range(100)), lambda i: placed.append(i) or i, ahead=3)
+    try:
+        time.sleep(0.2)
+        assert len(placed) == 3  # and waits
+        assert [next(ahead) for _ in range(2)] == [0, 1]
+        ahead.want(8)
+        time.sleep(0.2)
+        assert len(placed) == 2 + 8
+        assert next(ahead) == 2
+    finally:
+        ahead.close()
+    assert not ahead._thread.is_alive()
+
+
+def test_the_placing_thread_is_chosen_for_accelerators_only():
+    def on(platform: str) -> Any:
+        return SimpleNamespace(device_set=[SimpleNamespace(platform=platform)])
+
+    assert [places_in_thread("auto", on(p)) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert places_in_thread("loop", on("gpu")) is False
+    assert places_in_thread("thread", on("cpu")) is True
+
+
+@pytest.mark.once
+def test_an_unknown_placement_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"must be 'auto', 'loop' or 'thread', got 'gpu'"):
+        data.InputSettings(placement="gpu")  # type: ignore[arg-type]
