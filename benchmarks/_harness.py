@@ -125,12 +125,27 @@ def save(name: str, results: dict[str, Any]) -> Path:
     return path
 
 
-def fit_once(state: Any, step: Callable[..., Any], pipeline: Any, *, steps: int, n: Any = 1) -> Any:
+def fit_once(
+    state: Any,
+    step: Callable[..., Any],
+    pipeline: Any,
+    *,
+    steps: int,
+    n: Any = 1,
+    measured_before: bool = False,
+) -> Any:
     """One ``meshkit.train.fit`` run of ``steps`` steps in a fresh workdir: one checkpoint
-    (the last step), no progress bar, ``n`` steps per dispatch."""
+    (the last step), no progress bar, ``n`` steps per dispatch. ``'auto'`` measures the
+    step afresh, as in a new process, unless ``measured_before``: then it chooses from
+    what an earlier run in this process measured, as a second ``fit`` of a notebook or
+    a sweep's next stage does."""
     import tempfile
 
     from meshkit import train
+    from meshkit.train import _chunks
+
+    if not measured_before:
+        _chunks._MEASURED.clear()
 
     with tempfile.TemporaryDirectory() as workdir:
         return train.fit(

@@ -190,6 +190,7 @@ _FIT_COLUMNS = {
     "fit resident N=8": "N=8",
     "fit resident N=32": "N=32",
     "fit resident N=auto": "`'auto'` (what it chose)",
+    "fit resident N=auto, measured before": "`'auto'`, measured by an earlier run",
 }
 
 
@@ -214,7 +215,7 @@ def fit_overhead_table(run: dict[str, Any]) -> str:
             text = f"{over[name]:.2f}×"
             text = f"**{text}**" if over[name] == best else text
             if name == "fit resident N=auto":
-                text += f" ({_chosen(case['auto_chose'])})"
+                text += f" ({_chosen(case['auto_chose'])})"  # every auto run of the case
             cells.append(text)
         rows.append(cells)
     header = ["case", *_FIT_COLUMNS.values()]
@@ -223,25 +224,28 @@ def fit_overhead_table(run: dict[str, Any]) -> str:
 
 def fit_overhead_host_table(run: dict[str, Any]) -> str:
     """The host-input cases: the bare step, a hand loop that places each batch, and
-    ``fit``, in steps per second and as ratios (from totals)."""
+    ``fit`` (placed by the loop, and by a thread), in steps per second and as ratios
+    (from totals)."""
     rows = []
     for case in run["cases"]:
         rates = case.get("steps_per_second", {})  # the ensemble cases have no hand loop
         if "gather + device_put" not in rates:
             continue
+        threaded = rates.get("fit, placed by a thread")
         rows.append(
             [
                 case["title"],
                 f"{rates['bare step']:,.0f}",
                 f"{rates['gather + device_put']:,.0f}",
                 f"**{rates['fit']:,.0f}**",
+                "-" if threaded is None else f"{threaded:,.0f}",
                 f"{case['fit_over_gather_and_put']:.2f}",
                 f"{case['fit_over_bare']:.2f}",
             ]
         )
     header = ["case", "bare step, steps/s", "gather + `device_put`", "`fit`"]
-    header += ["fit / gather + put", "fit / bare"]
-    return _table(header, ["left"] + ["right"] * 5, rows)
+    header += ["`fit`, placed by a thread", "fit / gather + put", "fit / bare"]
+    return _table(header, ["left"] + ["right"] * 6, rows)
 
 
 def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ from meshkit.data import image
 from meshkit.ensemble import EnsembleLayout, MemberTrainPipeline
 from meshkit.models import MnistCNN
 from meshkit.testing import run_processes
+from meshkit.train import _chunks
 from meshkit.train._chunks import ChunkSizes, Measurement, auto_steps, probe_steps
 from meshkit.train._feeds import ResidentChunks
 
@@ -304,6 +305,53 @@ def test_auto_compiles_a_larger_chunk_only_when_it_pays_for_its_compile(
     assert sizes.chosen == chosen
 
 
+@pytest.mark.once
+def test_a_later_run_of_the_same_step_chooses_from_the_earlier_measurement(monkeypatch):
+    """Measured once in a process, a step is not timed or probed again: the same
+    choice for the same steps left, a new one where the run is longer (a larger chunk
+    pays for its compile over a million steps), and a fresh measurement where one step
+    sufficed only because the earlier run was too short to pay for the probe."""
+    monkeypatch.setattr(_chunks, "_MEASURED", {})
+    key = ("the step", "its shapes")
+
+    def measured(left: int) -> ChunkSizes:
+        sizes = ChunkSizes("auto", period=4000)
+        sizes.first_dispatch(0.3, unrolled=False, key=key, left=left)
+        for _ in range(4):
+            sizes.ran(sizes.next(room=4000))
+        sizes.timed(24, 24 * 1154e-6, queuing=24 * 400e-6, left=left - 28)
+        sizes.ran(sizes.next(room=4000))
+        sizes.dispatch_took(50, 0.9)
+        sizes.timed(100, 100 * (301e-6 + 853e-6 / 50), queuing=2 * 400e-6, left=left - 178)
+        return sizes
+
+    first = measured(4000)
+    assert first.chosen == 50 and not first.recalled
+    for left, chosen in ((4000, 50), (1_000_000, 100)):
+        again = ChunkSizes("auto", period=4000)
+        again.first_dispatch(0.001, unrolled=False, key=key, left=left)  # compiled already
+        assert again.recalled and again.chosen == chosen
+        assert again.timing_group(room=4000) is None and again.next(room=4000) == chosen
+        assert again.describe().endswith("us per step, measured by an earlier run)")
+    other = ChunkSizes("auto", period=4000)
+    other.first_dispatch(0.3, unrolled=False, key=("another step",), left=4000)
+    assert not other.recalled and other.chosen is None
+
+    short = ChunkSizes("auto", period=150)  # the probe's compile outweighed 1,000 steps
+    short.first_dispatch(0.8, unrolled=True, key=("sweep step",), left=1000)
+    for _ in range(4):
+        short.ran(short.next(room=150))
+    short.timed(24, 24 * 13e-3, queuing=24 * 1.5e-3, left=1000)
+    assert short.chosen == 1
+    same = ChunkSizes("auto", period=150)
+    same.first_dispatch(0.01, unrolled=True, key=("sweep step",), left=1000)
+    assert same.recalled and same.chosen == 1 and "earlier run" in same.describe()
+    longer = ChunkSizes("auto", period=150)
+    longer.first_dispatch(0.01, unrolled=True, key=("sweep step",), left=100_000)
+    assert not longer.recalled and longer.chosen is None  # measures again
+    assert longer.timing_group(room=150) is None and longer.next(room=150) == 1  # warm-up
+
+
 # --- fit: the same training whatever the input path and the steps per dispatch -------
 
 _STEPS = 200
@@ -366,21 +414,22 @@ def per_step_reference(tmp_path_factory):
         (False, 8, {2}, "auto"),
         (True, 8, {2}, "auto"),
         (True, "auto", {2, 3}, "auto"),
-        # placed by a thread: the loop's programs (compiled already when those ran first)
-        (False, 1, {0}, "thread"),
-        (False, 8, {0, 2}, "thread"),
+        (False, 1, {1}, "thread"),  # host batches placed by a thread of their own
+        (False, 8, {2}, "thread"),
     ],
 )
 def test_fit_trains_alike_for_every_input_path_and_chunk_size(
     tmp_path, monkeypatch, per_step_reference, *, resident, steps_per_dispatch, compiles, placement
 ):
+    jax.clear_caches()  # each case counts its own compiles (chunk programs are shared)
     if steps_per_dispatch == "auto":  # 200 steps are too few to pay for the probe's
         real = ChunkSizes.first_dispatch  # compile: probe anyway, as a longer run would
 
-        def free_compiles(self, seconds, *, unrolled):
-            real(self, 0.0, unrolled=unrolled)
+        def free_compiles(self, seconds, *, unrolled, key=None, left=None):
+            real(self, 0.0, unrolled=unrolled, key=key, left=left)
 
         monkeypatch.setattr(ChunkSizes, "first_dispatch", free_compiles)
+        monkeypatch.setattr(_chunks, "_MEASURED", {})
     reference, reference_log = per_step_reference
     result, logged = _fit(
         tmp_path, resident=resident, steps_per_dispatch=steps_per_dispatch, placement=placement
@@ -408,6 +457,11 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
         int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()
     )
     assert checkpoints == [100, 150, 200]  # chunks end at every boundary
+    if steps_per_dispatch == "auto":  # a second run of the step: measured already
+        again, _ = _fit(tmp_path / "again", resident=True, steps_per_dispatch="auto")
+        assert again.dispatch.endswith(", measured by an earlier run)")
+        assert again.steps_per_dispatch == result.steps_per_dispatch
+        assert again.train_step_compiles == 0
 
 
 @pytest.mark.once

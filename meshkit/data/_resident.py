@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -99,6 +100,23 @@ def device_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _gather_for(
+    mode: ResidentMode, batch_sharding: NamedSharding
+) -> Callable[[Mapping[str, jax.Array], jax.Array], dict[str, jax.Array]]:
+    def gather(arrays: Mapping[str, jax.Array], indices: jax.Array) -> dict[str, jax.Array]:
+        if mode == "replicated":
+            return {
+                key: jax.lax.with_sharding_constraint(
+                    jnp.take(value, indices, axis=0, mode="clip"), batch_sharding
+                )
+                for key, value in arrays.items()
+            }
+        return _sharded_gather(batch_sharding, dict(arrays), indices)
+
+    return gather
+
+
 def _bytes_per_row(example: Mapping[str, Any]) -> int:
     """The bytes one example takes on the devices (in the dtype JAX stores it in)."""
     return sum(
@@ -135,17 +153,14 @@ class ResidentData:
             return self.batch_sharding
         return NamedSharding(self.batch_sharding.mesh, PartitionSpec())
 
-    def gather(self, arrays: Mapping[str, jax.Array], indices: jax.Array) -> dict[str, jax.Array]:
-        """The batch of ``indices`` (traced inside a jitted step; ``arrays`` is ``self.arrays``
-        passed as an argument, so the dataset is never a constant of the program)."""
-        if self.mode == "replicated":
-            return {
-                key: jax.lax.with_sharding_constraint(
-                    jnp.take(value, indices, axis=0, mode="clip"), self.batch_sharding
-                )
-                for key, value in arrays.items()
-            }
-        return _sharded_gather(self.batch_sharding, dict(arrays), indices)
+    @property
+    def gather(self) -> Callable[[Mapping[str, jax.Array], jax.Array], dict[str, jax.Array]]:
+        """``gather(arrays, indices)``: the batch of ``indices`` (traced inside a jitted
+        step; ``arrays`` is ``self.arrays`` passed as an argument, so the dataset is never
+        a constant of the program). One function per layout, shared by every dataset
+        placed alike, so a program built around it serves the next pipeline of the same
+        shapes (a sweep's next stage, a second ``fit``) without compiling again."""
+        return _gather_for(self.mode, self.batch_sharding)
 
     def describe(self) -> str:
         """``resident (replicated, 4.5 MiB per device)``: for a run's summary."""

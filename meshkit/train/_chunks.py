@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
 import jax
@@ -246,6 +246,22 @@ def probe_steps(period: int, most: int = 64) -> int:
 StepsPerDispatch = int | Literal["auto"]
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepRecord:
+    """What ``'auto'`` measured of one step, for later runs of it in the process."""
+
+    one: float  # seconds per step, one per dispatch
+    bound: float  # the most a dispatch can cost, seconds
+    first_dispatch: float | None  # the run's first dispatch, its compile included
+    measurement: Measurement | None  # the probe's, where one ran
+    probe_compile: float | None  # the probe's first dispatch, seconds
+
+
+_MEASURED: dict[Hashable, _StepRecord] = {}
+"""``'auto'``'s measurements by step (program, shapes and input), oldest first."""
+_MEASURED_MAX = 32
+
+
 class ChunkSizes:
     """How many steps each dispatch takes, and, for ``'auto'``, the measurement that decides.
 
@@ -273,6 +289,10 @@ class ChunkSizes:
         self._probe_compile: float | None = None  # the probe's first dispatch, seconds
         self._unrolled = False
         self._outweighed: tuple[float, float] | None = None  # (compile, saving) estimates
+        self._key: Hashable | None = None  # the step's, for the process's record of it
+        self._bound: float | None = None  # the most a dispatch can cost, seconds
+        self.recalled = False
+        """Whether the choice came from an earlier run's measurement of the same step."""
         if self.chosen is None and self.probe == 1:
             self.chosen = 1  # boundaries every step or two: nothing to gain
 
@@ -299,13 +319,32 @@ class ChunkSizes:
             return self.probe
         return 1
 
-    def first_dispatch(self, seconds: float, *, unrolled: bool) -> None:
+    def first_dispatch(
+        self,
+        seconds: float,
+        *,
+        unrolled: bool,
+        key: Hashable | None = None,
+        left: int | None = None,
+    ) -> None:
         """Records the run's first dispatch (one step, traced and compiled, waited for)
-        and whether chunks unroll the step: together they estimate a chunk's compile."""
+        and whether chunks unroll the step: together they estimate a chunk's compile.
+
+        ``key`` names the step (its program and the shapes it runs on). Where an earlier
+        run in this process measured the same step, the choice comes from that
+        measurement and the ``left`` steps of this run: no timing and no probe again (a
+        sweep's stages, a notebook's second ``fit``). With several processes each run
+        measures afresh (every process must decide alike).
+        """
         self._first_dispatch = seconds
         self._unrolled = unrolled
         if unrolled:
             self.most = min(self.most, MAX_UNROLLED_AUTO_STEPS)
+        if self.chosen is None and key is not None and jax.process_count() == 1:
+            self._key = key
+            earlier = _MEASURED.get(key)
+            if earlier is not None:
+                self._recall(earlier, left)
 
     def dispatch_took(self, steps: int, seconds: float) -> None:
         """Records how long queuing a dispatch of ``steps`` steps took on the host: for
@@ -345,17 +384,10 @@ class ChunkSizes:
             seconds, queuing = self._agreed(seconds, queuing)
         if self._phase == "time":
             self._one = seconds / steps
+            self._bound = 2 * queuing / steps  # what a dispatch can cost at most
             self._phase = "compile"
-            bound = 2 * queuing / steps  # what a dispatch can cost at most
-            cheap = bound <= OVERHEAD_TARGET * self._one
-            if cheap or self._one >= LONG_STEP_SECONDS:
-                self.chosen, self._phase = 1, "done"
-            elif left is not None and self._first_dispatch is not None:
-                compile_cost = self._first_dispatch * (self.probe if self._unrolled else 1)
-                saving = bound * left
-                if compile_cost > saving:
-                    self.chosen, self._phase = 1, "done"
-                    self._outweighed = (compile_cost, saving)
+            if self._one_step_is_enough(left):
+                self._remember()
         elif self._phase == "probe":
             assert self._one is not None
             self.measurement = Measurement(self._one, self.probe, seconds / steps)
@@ -363,8 +395,56 @@ class ChunkSizes:
                 self.measurement, self.period, most=self.most, compiled=self.probe
             )
             self._phase = "done"
-            if self.chosen > self.probe and not self._pays_for_its_compile(left):
+            if self.chosen > self.probe and not self._pays(self.chosen, self.probe, left):
                 self.chosen = self.probe
+            self._remember()
+
+    def _one_step_is_enough(self, left: int | None) -> bool:
+        """Chooses one step per dispatch, with no probe, when the one-step timing says
+        dispatching costs little or the probe's compile would outweigh its saving."""
+        assert self._one is not None and self._bound is not None
+        if self._bound <= OVERHEAD_TARGET * self._one or self._one >= LONG_STEP_SECONDS:
+            self.chosen, self._phase = 1, "done"
+            return True
+        if left is not None and self._first_dispatch is not None:
+            compile_cost = self._first_dispatch * (self.probe if self._unrolled else 1)
+            saving = self._bound * left
+            if compile_cost > saving:
+                self.chosen, self._phase = 1, "done"
+                self._outweighed = (compile_cost, saving)
+                return True
+        return False
+
+    def _remember(self) -> None:
+        """Keeps what was measured of this step for later runs in the process."""
+        if self._key is None or self._one is None or self._bound is None:
+            return
+        _MEASURED[self._key] = _StepRecord(
+            self._one, self._bound, self._first_dispatch, self.measurement, self._probe_compile
+        )
+        while len(_MEASURED) > _MEASURED_MAX:
+            del _MEASURED[next(iter(_MEASURED))]
+
+    def _recall(self, earlier: _StepRecord, left: int | None) -> None:
+        """Chooses from an earlier run's measurement of the same step (see
+        ``first_dispatch``); keeps measuring where that one decided nothing for this run."""
+        self._one, self._bound = earlier.one, earlier.bound
+        self._first_dispatch = earlier.first_dispatch
+        measured = earlier.measurement
+        if measured is None:
+            # One step was enough then; this run may be long enough to pay for a probe.
+            self.recalled = self._one_step_is_enough(left)
+            if not self.recalled:
+                self._one = self._bound = None
+                self._outweighed = None
+            return
+        self.measurement, self._probe_compile = measured, earlier.probe_compile
+        compiled = measured.probe_steps  # its chunk program is compiled in this process
+        chosen = auto_steps(measured, self.period, most=self.most, compiled=compiled)
+        fallback = compiled if chosen > compiled and self.period % compiled == 0 else 1
+        if chosen not in (1, compiled) and not self._pays(chosen, fallback, left):
+            chosen = fallback
+        self.chosen, self._phase, self.recalled = chosen, "done", True
 
     def _agreed(self, seconds: float, queuing: float) -> tuple[float, float]:
         """``seconds`` and ``queuing`` (and the compile times recorded so far) as the
@@ -379,38 +459,41 @@ class ChunkSizes:
             self._probe_compile = float(slowest[3])
         return float(slowest[0]), float(slowest[1])
 
-    def _pays_for_its_compile(self, left: int | None) -> bool:
-        """Whether the chosen chunk, larger than the compiled probe, saves more over the
-        ``left`` steps than its compile costs (estimated from the probe's: as long for a
-        loop, in proportion to the steps unrolled). Measured: an ensemble of 8 tiny MLPs
-        on one CPU device chose 80 to 250 steps over a 50-step probe, and each new size's
-        compile took longer than a 4,000-step run saved with it."""
+    def _pays(self, chosen: int, than: int, left: int | None) -> bool:
+        """Whether a ``chosen`` chunk, a size not compiled yet, saves more than its
+        compile costs over the ``left`` steps, against chunks of ``than`` (its compile
+        estimated from the probe's: as long for a loop, in proportion to the steps
+        unrolled). Measured: an ensemble of 8 tiny MLPs on one CPU device chose 80 to
+        250 steps over a 50-step probe, and each new size's compile took longer than a
+        4,000-step run saved with it."""
         if left is None or self._probe_compile is None or self.measurement is None:
             return True
-        assert self.chosen is not None
-        chosen, probe = self.chosen, self.probe
-        saving = left * self.measurement.overhead * (1 / probe - 1 / chosen)
+        saving = left * self.measurement.overhead * (1 / than - 1 / chosen)
         measured = max(self._probe_compile, MIN_COMPILE_SECONDS)
-        compile_cost = measured * (chosen / probe if self._unrolled else 1)
+        compile_cost = measured * (chosen / self.measurement.probe_steps if self._unrolled else 1)
         return saving > compile_cost
 
     def describe(self) -> str:
         """``100 steps per dispatch (auto: 31 us per dispatch, 16 us per step)``."""
         steps = self.chosen or 1
         text = f"{steps} step{'s' if steps != 1 else ''} per dispatch"
+        earlier = ", measured by an earlier run" if self.recalled else ""
         if self.measurement is not None:
             m = self.measurement
             text += (
-                f" (auto: {m.overhead * 1e6:.0f} us per dispatch, {m.device * 1e6:.0f} us per step)"
+                f" (auto: {m.overhead * 1e6:.0f} us per dispatch, {m.device * 1e6:.0f} us per "
+                f"step{earlier})"
             )
         elif self.setting == "auto" and self._outweighed is not None:
             compile_cost, saving = self._outweighed
             text += (
                 f" (auto: a {self.probe}-step chunk would take about {compile_cost:.1f} s to "
-                f"compile and save under {saving:.1f} s over the steps left)"
+                f"compile and save under {saving:.1f} s over the steps left{earlier})"
             )
         elif self.setting == "auto" and self._one is not None and self.chosen == 1:
-            text += f" (auto: {_duration(self._one)} per step, its dispatch under 3% of it)"
+            text += (
+                f" (auto: {_duration(self._one)} per step, its dispatch under 3% of it{earlier})"
+            )
         elif self.setting == "auto":
             text += " (auto: the run ended before the measurement)"
         return text

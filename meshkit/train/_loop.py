@@ -507,7 +507,12 @@ class _Loop:
                     sizes.ran(steps)
             took = time.perf_counter() - dispatched
             if traced_now:  # waited for: its time is mostly the step's compile
-                sizes.first_dispatch(took, unrolled=runner.unrolled)
+                sizes.first_dispatch(
+                    took,
+                    unrolled=runner.unrolled,
+                    key=getattr(runner, "step_key", None),
+                    left=num_steps - step,
+                )
             elif not group:
                 sizes.dispatch_took(plan[0], took)
             if group:

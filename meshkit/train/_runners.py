@@ -63,6 +63,12 @@ class Closed:
             yield read_interval(layout, interval, step)
 
 
+def _avals(tree: Any) -> tuple[Any, ...]:
+    """The structure, shapes, types and shardings of ``tree``'s leaves: hashable."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, *((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves)
+
+
 class PerStep:
     """One dispatch per step, host batches placed ahead by a ``GlobalBatchIterator``."""
 
@@ -142,6 +148,9 @@ class Chunked:
         self.unrolled = False  # known once the step is traced (its first dispatch)
         self._layout: MetricLayout | None = None
         self._zeros: Interval | None = None
+        self.step_key: Any = None
+        """The compiled step and what it runs on (known once built): ``'auto'``'s record
+        of its measurement is kept under this key."""
 
     def fetch(self, steps: int) -> tuple[Any, Any]:
         return self.feed.next_chunk(steps)
@@ -179,6 +188,7 @@ class Chunked:
             unroll=self.unrolled,
         )
         self._zeros = zero_interval(self._layout, self.mesh)
+        self.step_key = (self._program, _avals(state), _avals(one), self.feed.describe())
         return self._program
 
     @property
