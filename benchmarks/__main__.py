@@ -11,6 +11,7 @@ import sys
 
 BENCHMARKS = [
     "fit_overhead",
+    "host_placement",
     "data_parallel_step",
     "precision",
     "data_loader",

@@ -12,9 +12,8 @@ three ways, interleaved A B C A B C with a fresh state every round:
   would write without meshkit;
 - fit: ``meshkit.train.fit`` over the ``TrainPipeline`` of the same arrays, logging
   every 10 steps, one checkpoint (the last step), no evaluation: host input, one step
-  per dispatch (the default), placed by the loop on a CPU and by a placing thread on
-  an accelerator (``InputSettings(placement='auto')``); the other placement beside it
-  (``fit, placed by a thread`` on a CPU, ``fit, placed by the loop`` elsewhere);
+  per dispatch (the default; ``python -m benchmarks host_placement`` compares who
+  places the batches);
 - fit resident: the same with ``resident=True`` (the dataset on the devices, batches
   gathered there by index), one step per dispatch, then N = 8, 32 and ``'auto'`` steps
   per dispatch (``Dispatch(steps_per_dispatch=N)``); ``'auto'`` measures afresh every
@@ -124,14 +123,6 @@ def case(
         seed=0,
         input_settings=data.InputSettings(resident=True),
     )
-    other = "thread" if ON_CPU else "loop"  # the placement 'auto' does not choose here
-    other_placement = data.TrainPipeline(
-        source,
-        global_batch_size=batch,
-        sharding=sharding,
-        seed=0,
-        input_settings=data.InputSettings(placement=other),
-    )
     auto_chose: list[str] = []
 
     def fit(
@@ -163,7 +154,6 @@ def case(
         "bare step": bare,
         "gather + device_put": gather_and_put,
         "fit": fit(pipeline),
-        f"fit, placed by {'the loop' if other == 'loop' else 'a thread'}": fit(other_placement),
         "fit resident": fit(resident),
         **{f"fit resident N={n}": fit(resident, n) for n in FIT_CHUNKS},
         "fit resident N=auto, measured before": fit(resident, "auto", measured_before=True),

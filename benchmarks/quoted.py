@@ -224,28 +224,25 @@ def fit_overhead_table(run: dict[str, Any]) -> str:
 
 def fit_overhead_host_table(run: dict[str, Any]) -> str:
     """The host-input cases: the bare step, a hand loop that places each batch, and
-    ``fit`` (placed by the loop, and by a thread), in steps per second and as ratios
-    (from totals)."""
+    ``fit``, in steps per second and as ratios (from totals)."""
     rows = []
     for case in run["cases"]:
         rates = case.get("steps_per_second", {})  # the ensemble cases have no hand loop
         if "gather + device_put" not in rates:
             continue
-        threaded = rates.get("fit, placed by a thread")
         rows.append(
             [
                 case["title"],
                 f"{rates['bare step']:,.0f}",
                 f"{rates['gather + device_put']:,.0f}",
                 f"**{rates['fit']:,.0f}**",
-                "-" if threaded is None else f"{threaded:,.0f}",
                 f"{case['fit_over_gather_and_put']:.2f}",
                 f"{case['fit_over_bare']:.2f}",
             ]
         )
     header = ["case", "bare step, steps/s", "gather + `device_put`", "`fit`"]
-    header += ["`fit`, placed by a thread", "fit / gather + put", "fit / bare"]
-    return _table(header, ["left"] + ["right"] * 6, rows)
+    header += ["fit / gather + put", "fit / bare"]
+    return _table(header, ["left"] + ["right"] * 5, rows)
 
 
 def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:
@@ -255,6 +252,34 @@ def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:
         c for c in run["cases"] if c["title"].startswith("ensemble") and "8 device(s)" in c["title"]
     )
     return f"{case['over_fit']['fit resident N=auto']:.2f}"
+
+
+def host_placement_table(run: dict[str, Any]) -> str:
+    """``fit``'s host-input rate with the loop's placement and with a placing thread, at
+    1 and 32 steps per dispatch, and thread / loop from totals."""
+    rows = []
+    for case in run["cases"]:
+        rate = case["steps_per_second"]
+        cells = [case["title"]]
+        for n, ratio in case["thread_over_loop"].items():
+            cells += [f"{rate[f'loop, N={n}']:,.0f}", f"{rate[f'thread, N={n}']:,.0f}"]
+            cells.append(f"**{float(ratio):.2f}×**")
+        rows.append(cells)
+    header = ["case", "loop, N=1 (steps/s)", "thread, N=1", "thread / loop"]
+    header += ["loop, N=32", "thread, N=32", "thread / loop"]
+    return _table(header, ["left"] + ["right"] * 6, rows)
+
+
+def host_placement_one_device(run: dict[str, Any]) -> str:
+    """Thread / loop for the tiny MLP on one device, one step per dispatch."""
+    case = next(c for c in run["cases"] if "1 device(s)" in c["title"])
+    return f"{float(case['thread_over_loop']['1']):.2f}"
+
+
+def host_placement_versions(run: dict[str, Any]) -> str:
+    """The software of the recorded host-placement run."""
+    env = run["environment"]
+    return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
 
 
 def fit_overhead_versions(run: dict[str, Any]) -> str:
@@ -278,6 +303,9 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fit_overhead.host_table": ("fit_overhead", fit_overhead_host_table),
     "fit_overhead.ensemble_over_fit": ("fit_overhead", fit_overhead_ensemble_over_fit),
     "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
+    "host_placement.table": ("host_placement", host_placement_table),
+    "host_placement.one_device": ("host_placement", host_placement_one_device),
+    "host_placement.versions": ("host_placement", host_placement_versions),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""
 

@@ -53,6 +53,31 @@ def child_train_placed_by_threads() -> list[dict[str, np.ndarray]]:
     return train_stream(meshkit.make_mesh("data=-1"), placement="thread")
 
 
+CHUNKS = (1, 4, 3, 3, 2, 4, 4)
+
+
+def chunk_stream(placement: str) -> list[dict[str, np.ndarray]]:
+    """Chunks of several sizes as ``fit``'s host feed stacks them."""
+    from meshkit.train._feeds import HostChunks
+
+    pipeline = TrainPipeline(
+        source(),
+        global_batch_size=16,
+        sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
+        seed=11,
+        input_settings=InputSettings(placement=placement),  # type: ignore[arg-type]
+    )
+    feed = HostChunks(pipeline)
+    try:
+        return [meshkit.to_host(feed.next_chunk(n)[1]) for n in CHUNKS]
+    finally:
+        feed.close()
+
+
+def child_chunks_placed_by_threads() -> list[dict[str, np.ndarray]]:
+    return chunk_stream("thread")
+
+
 def child_train_replica_axis() -> list[dict[str, np.ndarray]]:
     devices = sorted(jax.devices(), key=lambda d: (d.id % 4, d.process_index))
     return train_stream(meshkit.make_mesh("data=4,replica=2", devices=devices))
@@ -97,6 +122,17 @@ def test_placing_threads_on_two_processes_give_the_same_global_batches_as_one():
     one_process = train_stream(meshkit.make_mesh("data=-1"))
     for stream in run_processes(child_train_placed_by_threads):
         assert_same_stream(stream, one_process)
+
+
+@pytest.mark.devices(8)
+def test_placing_threads_on_two_processes_build_the_same_chunks_as_one_loop():
+    """Chunks cut and joined on the devices: windows and joins of global arrays."""
+    one_process = chunk_stream("loop")
+    for stream in run_processes(child_chunks_placed_by_threads):
+        assert len(stream) == len(CHUNKS)
+        for got, expected in zip(stream, one_process, strict=True):
+            np.testing.assert_array_equal(got["x"], expected["x"])
+            np.testing.assert_array_equal(got["y"], expected["y"])
 
 
 @pytest.mark.devices(8)

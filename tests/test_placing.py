@@ -78,18 +78,22 @@ def test_a_placing_thread_gives_the_loops_batches_and_data_state():
 
 
 def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps():
-    """Chunks of 1, 4 and 3 steps, joined on the devices, equal the loop's stacks."""
+    """Chunks of several sizes equal the loop's stacks: the thread builds the size last
+    asked for, a chunk of another size cuts or joins what it built, and the thread's
+    chunks realign with the loop's (nothing left over once the size stays put)."""
+    sizes = (1, 4, 3, 3, 2, 4, 4, 4, 4)
     chunks = {}
     for placement in ("loop", "thread"):
         feed = HostChunks(pipeline(placement))
         try:
-            chunks[placement] = [meshkit.to_host(feed.next_chunk(n)[1]) for n in (1, 4, 3)]
-            assert feed.state()["step"] == 8
+            chunks[placement] = [meshkit.to_host(feed.next_chunk(n)[1]) for n in sizes]
+            assert feed.state()["step"] == sum(sizes)
+            assert feed._rest is None
         finally:
             feed.close()
         assert feed.describe() == ("host, placed by a thread" if placement == "thread" else "host")
     assert not placing_threads()
-    assert [c["x"].shape for c in chunks["thread"]] == [(1, 16, 3), (4, 16, 3), (3, 16, 3)]
+    assert [c["x"].shape for c in chunks["thread"]] == [(n, 16, 3) for n in sizes]
     assert_bit_identical(chunks["thread"], chunks["loop"])
 
 
@@ -128,9 +132,8 @@ def test_the_thread_keeps_as_many_placed_items_ready_as_asked():
         time.sleep(0.2)
         assert len(placed) == 3  # and waits
         assert [next(ahead) for _ in range(2)] == [0, 1]
-        ahead.want(8)
         time.sleep(0.2)
-        assert len(placed) == 2 + 8
+        assert len(placed) == 2 + 3
         assert next(ahead) == 2
     finally:
         ahead.close()

@@ -48,8 +48,7 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
 
     ``next()`` returns the placed items in order and raises the thread's error (with
     its traceback) at the item where it happened, after the items placed before it.
-    ``want(n)`` changes how many items the thread keeps ready (a chunk of ``n`` steps
-    wants ``n``). Only the thread touches ``items`` until ``close()``, which stops the
+    Only the thread touches ``items`` until ``close()``, which stops the
     thread (after the item it is building) and closes ``items``.
 
     Examples:
@@ -77,12 +76,6 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-
-    def want(self, ahead: int) -> None:
-        """Keeps ``ahead`` placed items ready from now on."""
-        with self._changed:
-            self._ahead = max(1, ahead)
-            self._changed.notify_all()
 
     def _run(self) -> None:
         try:

@@ -10,6 +10,8 @@ feed resumes with the other) and the seconds spent waiting for input.
 from __future__ import annotations
 
 import functools
+import itertools
+import queue
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -73,8 +75,12 @@ class HostChunks(_Feed):
     """Chunks of host batches: ``steps`` of this process's batches, on the devices stacked.
 
     Placed by the loop (``steps`` batches stacked on the host, one transfer), or by a
-    placing thread (``InputSettings.placement``; on GPUs and TPUs by default) that keeps
-    a chunk's batches placed one by one ahead of the loop, joined on the devices.
+    placing thread (``InputSettings.placement``; on GPUs and TPUs by default) that
+    builds and places the next two chunks the same way while the loop dispatches. It
+    builds the sizes the feed orders: the next chunk is expected to be as long as the
+    last one asked for; where the loop asks for another size (around a checkpoint,
+    while ``'auto'`` measures), placed chunks are cut or joined on the devices once,
+    and the next orders realign the chunks with the loop's.
     """
 
     batch_of = staticmethod(whole_batch)
@@ -84,28 +90,58 @@ class HostChunks(_Feed):
         self._local: Iterator[Any] | None = None
         self.in_thread = places_in_thread(pipeline.input_settings.placement, pipeline.sharding)
         self._ahead: PlacedAhead[Any] | None = None
+        self._orders: queue.Queue[int | None] = queue.Queue()  # chunk sizes for the thread
+        self._ordered = 0  # steps ordered from the thread and not yet handed to the loop
+        self._rest: tuple[Any, int] | None = None  # a placed chunk, and its first step not taken
 
     def _chunk(self, steps: int) -> tuple[Any, Any]:
-        pipeline = self.pipeline
         if self._local is None:
-            self._local = iter(pipeline.local_batches(self.step))
+            self._local = iter(self.pipeline.local_batches(self.step))
             if self.in_thread:
-                self._ahead = PlacedAhead(self._local, self._place_one, ahead=steps)
-        if self._ahead is not None:
-            self._ahead.want(steps)  # the next chunk is placed while this one runs
-            placed = [next(self._ahead) for _ in range(steps)]
-            return None, placed[0] if steps == 1 else _joined(pipeline.sharding)(*placed)
-        batches = [next(self._local) for _ in range(steps)]
-        if steps == 1:
+                self._ahead = PlacedAhead(self._thread_chunks(self._local), self._place, ahead=4)
+        if self._ahead is None:
+            return None, self._place([next(self._local) for _ in range(steps)])
+        if self._ordered < steps:  # the thread's chunks fall short of this one: complete it
+            self._order(steps - self._ordered)
+        pieces: list[Any] = []
+        while steps > sum(map(_steps_in, pieces)):
+            if self._rest is None:
+                self._rest = (next(self._ahead), 0)
+            chunk, start = self._rest
+            length = _steps_in(chunk)
+            take = min(length - start, steps - sum(map(_steps_in, pieces)))
+            if take == length:
+                pieces.append(chunk)
+            else:  # a window of the chunk: one compile per chunk length and window size
+                pieces.append(_window(self.pipeline.sharding, take)(chunk, np.int32(start)))
+            self._rest = None if start + take == length else (chunk, start + take)
+        self._ordered -= steps
+        # The next two chunks are expected to be this long; a first, shorter order
+        # completes the steps already ordered to a whole one, realigning the thread's.
+        while self._ordered < 2 * steps:
+            self._order(steps - self._ordered % steps)
+        return None, pieces[0] if len(pieces) == 1 else _joined(self.pipeline.sharding)(*pieces)
+
+    def _order(self, size: int) -> None:
+        self._orders.put(size)
+        self._ordered += size
+
+    def _thread_chunks(self, local: Iterator[Any]) -> Iterator[list[Any]]:
+        """The batches of each chunk ordered (in the thread), until ``close``."""
+        while (size := self._orders.get()) is not None:
+            batches = list(itertools.islice(local, size))
+            if not batches:
+                return
+            yield batches
+
+    def _place(self, batches: list[Any]) -> Any:
+        """Batches stacked on the host and placed in one transfer."""
+        if len(batches) == 1:
             stacked = {key: np.asarray(value)[None] for key, value in batches[0].items()}
         else:
             stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
-        return None, place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
-
-    def _place_one(self, batch: Any) -> Any:
-        """One step's batch as a chunk of one (the placing thread's work)."""
-        one = {key: np.asarray(value)[None] for key, value in batch.items()}
-        return place_stacked_rows(one, self.pipeline.sharding, self.pipeline.global_batch_size)
+        pipeline = self.pipeline
+        return place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
 
     def describe(self) -> str:
         """How input reaches the devices, for a run's summary."""
@@ -113,6 +149,7 @@ class HostChunks(_Feed):
 
     def close(self) -> None:
         if self._ahead is not None:
+            self._orders.put(None)  # a thread waiting for an order ends
             self._ahead.close()  # stops the thread, then closes the pipeline's iterator
         else:
             close = getattr(self._local, "close", None)
@@ -120,6 +157,22 @@ class HostChunks(_Feed):
                 close()
         self._ahead = None
         self._local = None
+        self._rest = None
+
+
+def _steps_in(chunk: Any) -> int:
+    return jax.tree.leaves(chunk)[0].shape[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _window(sharding: NamedSharding, steps: int) -> Any:
+    """``steps`` steps of a placed chunk from step ``start`` on, on the devices."""
+    return jax.jit(
+        lambda chunk, start: jax.tree.map(
+            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, steps), chunk
+        ),
+        out_shardings=stacked_sharding(sharding),
+    )
 
 
 @functools.lru_cache(maxsize=16)
