@@ -161,6 +161,7 @@ class HostChunks(_Feed):
 
 
 def _steps_in(chunk: Any) -> int:
+    """The steps a placed chunk holds."""
     return jax.tree.leaves(chunk)[0].shape[0]
 
 
@@ -177,8 +178,8 @@ def _window(sharding: NamedSharding, steps: int) -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _joined(sharding: NamedSharding) -> Any:
-    """Chunks of one step joined into one chunk on the devices (no communication: the
-    step axis is whole on every device)."""
+    """Placed chunks joined into one on the devices (no communication: the step axis is
+    whole on every device)."""
     return jax.jit(
         lambda *chunks: jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *chunks),
         out_shardings=stacked_sharding(sharding),
