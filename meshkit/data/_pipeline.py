@@ -231,7 +231,7 @@ class TrainPipeline(_Pipeline):
       num_epochs: stop after this many epochs; ``None`` repeats forever.
       shuffle: ``False`` keeps the source order (for debugging and tests).
       input_settings: how batches are built and where the data lives
-        (``InputSettings``: threads, workers, prefetch, resident), never which examples
+        (``InputSettings``: threads, workers, prefetch, resident, placement), never which examples
         they hold. With ``InputSettings(resident=True)`` the whole dataset is placed on
         the devices once and ``fit`` gathers each batch there by index. That needs an
         in-memory source, or a ``transform`` that draws nothing (its ``deterministic``

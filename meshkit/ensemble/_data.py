@@ -48,7 +48,7 @@ class MemberTrainPipeline(TrainPipeline):
       member_seeds: each member's shuffle seed, so member ``i`` reads the data in the
         order ``TrainPipeline(seed=member_seeds[i])`` does (a sweep's ``data_seed``);
         ``None``: ``member_seed(seed, i)``.
-      input_settings: threads, workers, prefetch and resident data, as for
+      input_settings: threads, workers, prefetch, resident data and placement, as for
         ``TrainPipeline`` (workers build whole batches). Resident, each member's batch is
         gathered on the devices by its own indices: one copy serves all K members.
 
