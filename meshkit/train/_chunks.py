@@ -487,8 +487,8 @@ class ChunkSizes:
         elif self.setting == "auto" and self._outweighed is not None:
             compile_cost, saving = self._outweighed
             text += (
-                f" (auto: a {self.probe}-step chunk would take about {compile_cost:.1f} s to "
-                f"compile and save under {saving:.1f} s over the steps left{earlier})"
+                f" (auto: a {self.probe}-step chunk would take about {_duration(compile_cost)} "
+                f"to compile and save under {_duration(saving)} over the steps left{earlier})"
             )
         elif self.setting == "auto" and self._one is not None and self.chosen == 1:
             text += (
@@ -500,8 +500,15 @@ class ChunkSizes:
 
 
 def _duration(seconds: float) -> str:
-    """``"41 us"`` under 10 ms, ``"196 ms"`` from there."""
-    return f"{seconds * 1e6:.0f} us" if seconds < 0.01 else f"{seconds * 1e3:.0f} ms"
+    """``"41 us"`` under 10 ms, ``"196 ms"`` under a second, ``"8.4 s"`` from there.
+
+    Examples:
+        >>> _duration(41e-6), _duration(0.196), _duration(8.42)
+        ('41 us', '196 ms', '8.4 s')
+    """
+    if seconds < 0.01:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def boundary_period(*periods: int | None) -> int:
