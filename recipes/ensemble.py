@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         "global_batch_size": args.batch_size,
         "sharding": layout.batch_sharding,
         "seed": args.seed,
-        "resident": args.input == "resident",  # one copy of the data serves every member
+        # one copy of the data on the devices serves every member
+        "input_settings": data.InputSettings(resident=args.input == "resident"),
     }
     with setup_errors_in_one_line():
         if args.same_batches:

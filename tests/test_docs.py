@@ -126,6 +126,7 @@ def test_each_block_runs_in_a_fresh_interpreter(page: Path, chain: list[tuple[in
         + (f" and its {len(chain) - 1} continuations" if len(chain) > 1 else "")
         + f", failed in a fresh interpreter:\n{out.stderr[-3000:]}"
     )
+    assert "will be removed in meshkit" not in out.stderr, out.stderr  # docs use today's API
 
 
 def test_readme_quickstart_runs_in_a_fresh_process():
