@@ -7,6 +7,7 @@ a global batch that does not divide the dataset), its error at the same batch, a
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from types import SimpleNamespace
@@ -153,3 +154,19 @@ def test_the_placing_thread_is_chosen_for_accelerators_only():
 def test_an_unknown_placement_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"must be 'auto', 'loop' or 'thread', got 'gpu'"):
         data.InputSettings(placement="gpu")  # type: ignore[arg-type]
+
+
+def test_a_feed_dropped_without_closing_ends_its_thread():
+    """Nothing the placing thread runs refers to its owner, so dropping the owner ends it."""
+    batches = data.GlobalBatchIterator(pipeline("thread"))
+    next(batches)
+    feed = HostChunks(pipeline("thread"))
+    feed.next_chunk(2)
+    assert len(placing_threads()) == 2
+    del batches, feed
+    gc.collect()
+    for _ in range(100):
+        if not placing_threads():
+            break
+        time.sleep(0.05)
+    assert not placing_threads()

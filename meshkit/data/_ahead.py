@@ -116,12 +116,17 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
     def __iter__(self) -> PlacedAhead[Placed]:
         return self
 
-    def close(self) -> None:
-        """Stops the thread after the item it is building, then closes ``items``."""
+    def stop(self) -> None:
+        """Tells the thread to stop after the item it is building, without waiting: for
+        an owner that was dropped without ``close()`` (its finalizer)."""
         with self._changed:
             self._closing = True
             self._ready.clear()
             self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stops the thread after the item it is building, then closes ``items``."""
+        self.stop()
         self._thread.join(JOIN_SECONDS)
         close = getattr(self._items, "close", None)
         if close is not None and not self._thread.is_alive():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -111,6 +112,7 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
                     ),
                     ahead=max(1, self.prefetch),
                 )
+                weakref.finalize(self, self._ahead.stop)  # dropped without close()
         if self._ahead is not None:
             placed = next(self._ahead)  # StopIteration at the end, as below
             self._step += 1

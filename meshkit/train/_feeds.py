@@ -13,6 +13,7 @@ import functools
 import itertools
 import queue
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -98,9 +99,16 @@ class HostChunks(_Feed):
         if self._local is None:
             self._local = iter(self.pipeline.local_batches(self.step))
             if self.in_thread:
-                self._ahead = PlacedAhead(self._thread_chunks(self._local), self._place, ahead=4)
+                # Nothing the thread runs refers to the feed, so a feed dropped unclosed
+                # is collected and its finalizer ends the thread.
+                self._ahead = PlacedAhead(
+                    _ordered_chunks(self._local, self._orders),
+                    functools.partial(_placed, self.pipeline),
+                    ahead=4,
+                )
+                weakref.finalize(self, _stop, self._ahead, self._orders)  # dropped unclosed
         if self._ahead is None:
-            return None, self._place([next(self._local) for _ in range(steps)])
+            return None, _placed(self.pipeline, [next(self._local) for _ in range(steps)])
         if self._ordered < steps:  # the thread's chunks fall short of this one: complete it
             self._order(steps - self._ordered)
         pieces: list[Any] = []
@@ -126,23 +134,6 @@ class HostChunks(_Feed):
         self._orders.put(size)
         self._ordered += size
 
-    def _thread_chunks(self, local: Iterator[Any]) -> Iterator[list[Any]]:
-        """The batches of each chunk ordered (in the thread), until ``close``."""
-        while (size := self._orders.get()) is not None:
-            batches = list(itertools.islice(local, size))
-            if not batches:
-                return
-            yield batches
-
-    def _place(self, batches: list[Any]) -> Any:
-        """Batches stacked on the host and placed in one transfer."""
-        if len(batches) == 1:
-            stacked = {key: np.asarray(value)[None] for key, value in batches[0].items()}
-        else:
-            stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
-        pipeline = self.pipeline
-        return place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
-
     def describe(self) -> str:
         """How input reaches the devices, for a run's summary."""
         return "host, placed by a thread" if self.in_thread else "host"
@@ -158,6 +149,30 @@ class HostChunks(_Feed):
         self._ahead = None
         self._local = None
         self._rest = None
+
+
+def _ordered_chunks(local: Iterator[Any], orders: queue.Queue[int | None]) -> Iterator[list[Any]]:
+    """The batches of each chunk ordered (in the placing thread), until ``None``."""
+    while (size := orders.get()) is not None:
+        batches = list(itertools.islice(local, size))
+        if not batches:
+            return
+        yield batches
+
+
+def _placed(pipeline: TrainPipeline, batches: list[Any]) -> Any:
+    """Batches stacked on the host and placed in one transfer."""
+    if len(batches) == 1:
+        stacked = {key: np.asarray(value)[None] for key, value in batches[0].items()}
+    else:
+        stacked = {key: np.stack([b[key] for b in batches]) for key in batches[0]}
+    return place_stacked_rows(stacked, pipeline.sharding, pipeline.global_batch_size)
+
+
+def _stop(ahead: PlacedAhead[Any], orders: queue.Queue[int | None]) -> None:
+    """Ends a placing thread without waiting for it."""
+    orders.put(None)  # a thread waiting for an order ends
+    ahead.stop()
 
 
 def _steps_in(chunk: Any) -> int:
