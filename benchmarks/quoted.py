@@ -282,6 +282,51 @@ def host_placement_versions(run: dict[str, Any]) -> str:
     return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
 
 
+_ENSEMBLE_ROWS = {
+    "HOWTO pmap, K=8": "the HOWTO's `pmap` program, K=8",
+    "meshkit K=8, ensemble=8": "meshkit K=8, `ensemble=8`",
+    "meshkit K=16, ensemble=8": "meshkit K=16, `ensemble=8` (2 members per device)",
+    "meshkit K=8, ensemble=8, donate=False": "meshkit K=8, `ensemble=8`, state not donated",
+    "meshkit K=8, ensemble=4,data=2": "meshkit K=8, `ensemble=4,data=2`",
+    "meshkit K=8, ensemble=2,data=4": "meshkit K=8, `ensemble=2,data=4`",
+}
+
+
+def ensemble_table(run: dict[str, Any]) -> str:
+    """The ensemble step against the HOWTO's pmap program: per step, totals, compiles."""
+    rows = [
+        [
+            label,
+            f"{run['candidates'][name]['median_s'] * 1e3:.1f}",
+            f"{run['candidates'][name]['total_s']:.3f}",
+            f"{run['candidates'][name]['ratio_of_totals_vs_baseline']:.3f}",
+            str(run["candidates"][name]["compiles"]),
+        ]
+        for name, label in _ENSEMBLE_ROWS.items()
+    ]
+    header = ["candidate", "median ms/step", "total s", "total / pmap", "compiles"]
+    return _table(header, ["left", "right", "right", "right", "right"], rows)
+
+
+def _times(count: int) -> str:
+    """``once``, ``twice``, ``3 times``."""
+    return {1: "once", 2: "twice"}.get(count, f"{count} times")
+
+
+def ensemble_summary(run: dict[str, Any]) -> str:
+    """The ratios the ensemble table says, in one sentence."""
+    return (
+        f"meshkit K=8 / pmap: median {run['median_ratio_meshkit_k8_over_pmap']:.3f}, ratio "
+        f"of totals {run['total_ratio_meshkit_k8_over_pmap']:.3f}; time per member-step, "
+        f"K=16 / K=8: median {run['median_per_member_ratio_k16_over_k8']:.3f}, ratio of "
+        f"totals {run['total_per_member_ratio_k16_over_k8']:.3f}; a whole `fit` run "
+        f"({run['whole_run']['steps']} steps and a full evaluation) compiles the ensemble "
+        f"step {_times(run['whole_run']['train_step_compiles'])}. "
+        f"{_versions(run['environment'])}, {run['environment']['devices']} "
+        f"{run['environment']['platform'].upper()} devices"
+    )
+
+
 def fit_overhead_versions(run: dict[str, Any]) -> str:
     """The software of the recorded fit-overhead run."""
     env = run["environment"]
@@ -304,6 +349,8 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fit_overhead.ensemble_over_fit": ("fit_overhead", fit_overhead_ensemble_over_fit),
     "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
     "host_placement.table": ("host_placement", host_placement_table),
+    "ensemble.table": ("ensemble", ensemble_table),
+    "ensemble.summary": ("ensemble", ensemble_summary),
     "host_placement.one_device": ("host_placement", host_placement_one_device),
     "host_placement.versions": ("host_placement", host_placement_versions),
 }
