@@ -88,12 +88,12 @@ def hand_loop(
     return Measured(time.perf_counter() - started)
 
 
-def case(
-    name: str, module: nn.Module, *, image_size: Literal[8, 28], batch: int, mesh, steps: int
-) -> dict:
-    sharding = meshkit.batch_sharding(mesh)
+def digits_classifier(
+    module: nn.Module, *, image_size: Literal[8, 28], mesh
+) -> tuple[data.ArraySource, Callable[[], Any], Callable[..., Any]]:
+    """The digits at ``image_size``, a fresh-state maker (SGD with momentum, seed 0) and
+    the jitted train step of ``module`` on ``mesh``: what every candidate shares."""
     source = data.digits("train", image_size=image_size)
-    pipeline = data.TrainPipeline(source, global_batch_size=batch, sharding=sharding, seed=0)
     model = train.linen_model(module, jnp.zeros((1, image_size, image_size, 1)))
     tx = optax.sgd(0.05, momentum=0.9)
 
@@ -101,8 +101,19 @@ def case(
         return train.create_train_state(model, tx, mesh, seed=0)
 
     step = train.make_train_step(
-        train.classification_loss, train.state_shardings_of(fresh_state()), sharding
+        train.classification_loss,
+        train.state_shardings_of(fresh_state()),
+        meshkit.batch_sharding(mesh),
     )
+    return source, fresh_state, step
+
+
+def case(
+    name: str, module: nn.Module, *, image_size: Literal[8, 28], batch: int, mesh, steps: int
+) -> dict:
+    sharding = meshkit.batch_sharding(mesh)
+    source, fresh_state, step = digits_classifier(module, image_size=image_size, mesh=mesh)
+    pipeline = data.TrainPipeline(source, global_batch_size=batch, sharding=sharding, seed=0)
     placed = [jax.device_put(pipeline.local_batch(k), sharding) for k in range(16)]
     wait = ON_CPU and mesh.size > 1
     fit_stats: dict[str, list[float]] = {"input_wait_fraction": [], "compiles": []}

@@ -29,12 +29,10 @@ from typing import Any, Literal  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 
 from benchmarks._harness import Measured, fit_once, interleave, report, save  # noqa: E402
-from benchmarks.fit_overhead import TinyMLP  # noqa: E402
-from meshkit import data, train  # noqa: E402
+from benchmarks.fit_overhead import TinyMLP, digits_classifier  # noqa: E402
+from meshkit import data  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
 ON_CPU = jax.devices()[0].platform == "cpu"
@@ -47,16 +45,7 @@ def case(
     name: str, module: nn.Module, *, image_size: Literal[8, 28], batch: int, mesh, steps: int
 ) -> dict[str, Any]:
     sharding = meshkit.batch_sharding(mesh)
-    source = data.digits("train", image_size=image_size)
-    model = train.linen_model(module, jnp.zeros((1, image_size, image_size, 1)))
-    tx = optax.sgd(0.05, momentum=0.9)
-
-    def fresh_state():
-        return train.create_train_state(model, tx, mesh, seed=0)
-
-    step = train.make_train_step(
-        train.classification_loss, train.state_shardings_of(fresh_state()), sharding
-    )
+    source, fresh_state, step = digits_classifier(module, image_size=image_size, mesh=mesh)
     pipelines = {
         placement: data.TrainPipeline(
             source,

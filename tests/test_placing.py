@@ -20,6 +20,7 @@ import meshkit
 from meshkit import data
 from meshkit.data._ahead import PlacedAhead, places_in_thread
 from meshkit.train._feeds import HostChunks
+from tests.test_resident import assert_bit_identical
 
 STEPS = 9  # three epochs of 50 examples at batch 16
 
@@ -49,15 +50,6 @@ def pipeline(placement: str, **kwargs: Any) -> data.TrainPipeline:
 
 def stream(batches: Any, steps: int) -> list[dict[str, np.ndarray]]:
     return [meshkit.to_host(next(batches)) for _ in range(steps)]
-
-
-def assert_bit_identical(a: list[dict], b: list[dict]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert sorted(x) == sorted(y)
-        for key in x:
-            assert x[key].dtype == y[key].dtype, key
-            assert x[key].tobytes() == y[key].tobytes(), key
 
 
 def placing_threads() -> list[threading.Thread]:

@@ -164,11 +164,11 @@ class GlobalBatchIterator(Iterator[dict[str, jax.Array]]):
         self._placed.clear()
         if self._ahead is not None:
             self._ahead.close()  # stops the thread, then closes the pipeline's iterator
-            self._ahead = None
-            self._local = None
-        close = getattr(self._local, "close", None)
-        if close is not None:
-            close()
+        else:
+            close = getattr(self._local, "close", None)
+            if close is not None:
+                close()
+        self._ahead = None
         self._local = None
 
     def __enter__(self) -> GlobalBatchIterator:

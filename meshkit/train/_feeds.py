@@ -112,12 +112,14 @@ class HostChunks(_Feed):
         if self._ordered < steps:  # the thread's chunks fall short of this one: complete it
             self._order(steps - self._ordered)
         pieces: list[Any] = []
-        while steps > sum(map(_steps_in, pieces)):
+        have = 0
+        while have < steps:
             if self._rest is None:
                 self._rest = (next(self._ahead), 0)
             chunk, start = self._rest
             length = _steps_in(chunk)
-            take = min(length - start, steps - sum(map(_steps_in, pieces)))
+            take = min(length - start, steps - have)
+            have += take
             if take == length:
                 pieces.append(chunk)
             else:  # a window of the chunk: one compile per chunk length and window size
