@@ -213,9 +213,14 @@ def _steps_per_dispatch(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError as error:
-        raise argparse.ArgumentTypeError(f"{error}, or auto") from None
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of at least 1 or auto, got {text!r}"
+        )
+    return value
 
 
 def hyperparameters(args: argparse.Namespace, *recipe_specific: str) -> dict[str, Any]:

@@ -137,6 +137,14 @@ def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
         with pytest.raises(SystemExit):
             parse_args(["--microbatches", "0"])
         assert "argument --microbatches: must be at least 1, got 0" in capsys.readouterr().err
+    if recipe != "transformer_lm":
+        for wrong in ("0", "eight"):
+            with pytest.raises(SystemExit):
+                parse_args(["--steps-per-dispatch", wrong])
+            assert (
+                f"argument --steps-per-dispatch: expected a whole number of at least 1 or auto, "
+                f"got '{wrong}'" in capsys.readouterr().err
+            )
 
 
 @pytest.mark.once

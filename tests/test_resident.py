@@ -239,18 +239,23 @@ def test_auto_keeps_one_step_without_a_probe_when_queuing_is_a_small_part_of_a_s
     for _ in range(4):
         sizes.ran(sizes.next(room=100))
     assert sizes.timing_group(room=100) == (24, 1)
-    sizes.timed(24, 24 * 30e-3, queuing=24 * 0.4e-3)  # 30 ms steps, 0.4 ms to queue one
+    sizes.timed(24, 24 * 15e-3, queuing=24 * 0.2e-3)  # 15 ms steps, 0.2 ms to queue one
     assert sizes.chosen == 1 and sizes.timing_group(room=100) is None
     assert sizes.next(room=100) == 1  # no probe chunk to compile
     assert (
         sizes.describe()
-        == "1 step per dispatch (auto: 30 ms per step, its dispatch under 3% of it)"
+        == "1 step per dispatch (auto: 15 ms per step, its dispatch under 3% of it)"
     )
-    long = ChunkSizes("auto", period=100)  # 60 ms steps: no probe, whatever the queuing
+    long = ChunkSizes("auto", period=100)  # 25 ms steps: no probe, whatever the queuing
     for _ in range(4):
         long.ran(long.next(room=100))
-    long.timed(24, 24 * 60e-3, queuing=24 * 5e-3)
+    long.timed(24, 24 * 25e-3, queuing=24 * 5e-3)
     assert long.chosen == 1 and long.next(room=100) == 1
+    short = ChunkSizes("auto", period=100)  # 15 ms steps queued in 5 ms: a probe
+    for _ in range(4):
+        short.ran(short.next(room=100))
+    short.timed(24, 24 * 15e-3, queuing=24 * 5e-3)
+    assert short.chosen is None and short.next(room=100) == 50
 
 
 @pytest.mark.once
