@@ -125,11 +125,12 @@ the time per step."""
 LONG_STEP_SECONDS = 0.02
 """A step at least this long keeps one step per dispatch under ``'auto'`` without a
 probe. A dispatch costs tens of microseconds on an accelerator (where it overlaps the
-steps queued before it) and measured 100 to 600 us of host work on a CPU (tiny MLPs
-on 1 and 8 fake devices), under 3% of such a step, while the probe's compile (an
-unrolled chunk of a large step on a CPU) can take longer than the run saves: every
-probe of the MNIST CNN on 8 fake CPU devices (31 to 40 ms a step) measured no
-dispatch cost at all, and the ensemble recipe's probe added a quarter to its run."""
+steps queued before it) and measured 100 to 830 us of host work on a CPU (tiny MLPs
+and ensembles of them on 1 and 8 fake devices), a few percent of such a step at most,
+while the probe's compile (an unrolled chunk of a large step on a CPU) can take longer
+than the run saves: every probe of the MNIST CNN on 8 fake CPU devices (31 to 40 ms a
+step) measured no dispatch cost at all, and the ensemble recipe's probe added a
+quarter to its run."""
 
 MIN_COMPILE_SECONDS = 0.05
 """The least ``'auto'`` expects a chunk size it has not run yet to cost in compile time.
