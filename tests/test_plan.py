@@ -652,3 +652,24 @@ def test_xla_resharding_warnings_are_counted_and_other_log_lines_pass_through(ca
     assert len(collected) == 1 and "Involuntary" in collected[0]
     err = capfd.readouterr().err
     assert "something else the compiler said" in err and "Involuntary" not in err
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("warned", "names"),
+    [(4, "a, b, c, d"), (5, "a, b, c and 2 more"), (1, "a")],
+)
+def test_the_plan_says_which_layouts_xla_resharded_in_one_line(warned, names, caplog) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from meshkit.plan._planner import _say_resharding
+
+    plans = [
+        SimpleNamespace(resharding_warnings=2, layout=SimpleNamespace(name=name))
+        for name in "abcde"[:warned]
+    ] + [SimpleNamespace(resharding_warnings=0, layout=SimpleNamespace(name="quiet"))]
+    with caplog.at_level("WARNING", logger="meshkit"):
+        _say_resharding(plans)  # pyright: ignore[reportArgumentType]
+    (line,) = caplog.messages
+    assert f'({2 * warned} "Involuntary full rematerialization" warnings)' in line
+    assert f"in {warned} layout(s): {names}. Their memory" in line

@@ -320,7 +320,10 @@ def _say_resharding(measurements: Sequence[Measurement]) -> None:
     warned = [m for m in measurements if m.resharding_warnings]
     if not warned:
         return
-    names = ", ".join(m.layout.name for m in warned[:3]) + (" ..." if len(warned) > 3 else "")
+    shown = warned if len(warned) <= 4 else warned[:3]
+    names = ", ".join(m.layout.name for m in shown)
+    if len(shown) < len(warned):
+        names += f" and {len(warned) - len(shown)} more"
     logging.getLogger("meshkit").warning(
         'XLA replicated a tensor it could not reshard efficiently (%d "Involuntary full '
         'rematerialization" warnings) in %d layout(s): %s. Their memory and traffic include '
