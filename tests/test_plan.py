@@ -589,6 +589,60 @@ def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_expla
 
 
 @pytest.mark.once
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "argument --devices: expected a whole number of at least 1, got '0'"),
+        (["--batch-size", "-8"], "argument --batch-size: expected a whole number of at least 1"),
+        (["--devices", "8", "--slices", "3"], "--devices 8 does not split into --slices 3"),
+        (
+            ["--accelerator", "h900"],
+            "argument --accelerator: unknown chip 'h900'; pass one of a100",
+        ),
+        (["--compiler", "tpu"], "--compiler tpu needs --topology, the TPU slice to compile for"),
+        (
+            ["--topology", "v5e:2x4"],
+            "--topology v5e:2x4 is for the TPU compiler: add --compiler tpu",
+        ),
+    ],
+)
+def test_a_target_the_command_line_cannot_mean_ends_in_one_line_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshkit.plan import _cli
+
+    with pytest.raises(SystemExit) as stop:  # before JAX starts or a layout is traced
+        _cli.main([*argv, "--quiet"])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m meshkit.plan: error: ") and message in last, last
+
+
+@pytest.mark.once
+def test_a_batch_no_layout_can_split_ends_in_one_line_naming_a_batch_that_splits() -> None:
+    from meshkit.plan import _cli
+
+    args = _cli.parser().parse_args(
+        ["--devices", "8", "--batch-size", "12", "--tensor", "1", "--quiet"]
+    )
+    with pytest.raises(SystemExit) as stop:
+        _cli.run(args)
+    text = str(stop.value.code)
+    assert text == (
+        "python -m meshkit.plan: --batch-size 12 does not split over the data shards "
+        "(data x fsdp) of any candidate layout (8); pass a multiple of 8, e.g. "
+        "--batch-size 16"
+    ), text
+    layouts = [planning.Layout({"data": 8}, precision="f32")]
+    result = planning.plan(_mlp_workload(batch_size=7), layouts, TARGET, progress=False)
+    assert result.describe_choice() == (
+        f"No candidate layout could be compiled for 8 x {TARGET.accelerator}; the first, "
+        "'data=8': the global batch (image: 7 rows, label: 7 rows) does not split over its "
+        "8 data shards (data); use a batch that is a multiple of 8."
+    )
+
+
+@pytest.mark.once
 def test_more_devices_than_xla_cpu_compiles_for_ends_in_one_line_naming_the_way_out() -> None:
     from meshkit.plan import _cli
 

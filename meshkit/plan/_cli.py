@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,6 +29,17 @@ MODELS: dict[str, dict[str, Any]] = {
 """Models by name: GPT-style sizes (vocabulary from --vocab), and the LLaMA models of
 ``meshkit.models.llama`` at their published shapes and vocabularies (context from
 --length for all)."""
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``--devices``, ``--batch-size``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -58,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
         help="module:function returning a meshkit.plan.Workload (instead of --model)",
     )
     p.add_argument(
-        "--vocab", type=int, help=f"vocabulary (default: the model's; {GPT_VOCAB} for GPTs)"
+        "--vocab", type=_positive, help=f"vocabulary (default: the model's; {GPT_VOCAB} for GPTs)"
     )
     p.add_argument(
         "--param-dtype",
@@ -66,11 +78,11 @@ def parser() -> argparse.ArgumentParser:
         default="f32",
         help="the parameters' dtype (bf16: AdamW's state stays float32)",
     )
-    p.add_argument("--length", type=int, default=2048, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
+    p.add_argument("--length", type=_positive, default=2048, help="tokens per sequence")
+    p.add_argument("--batch-size", type=_positive, default=256, help="global batch, sequences")
     p.add_argument("--accelerator", default="h100", help="a name in meshkit.plan.ACCELERATORS")
-    p.add_argument("--devices", type=int, default=64)
-    p.add_argument("--slices", type=int, default=1, help="nodes (GPU) or slices (TPU)")
+    p.add_argument("--devices", type=_positive, default=64)
+    p.add_argument("--slices", type=_positive, default=1, help="nodes (GPU) or slices (TPU)")
     p.add_argument(
         "--compiler",
         default="cpu",
@@ -164,9 +176,26 @@ def _no_layouts(args: argparse.Namespace) -> str:
     )
 
 
+def _check_batch(batch_size: int, layouts: Sequence[Any]) -> None:
+    """Ends in one line when ``--batch-size`` splits over no layout's data shards (every
+    layout would fail to compile, each for the same reason)."""
+    shards = sorted(
+        {math.prod(layout.axis_sizes[a] for a in layout.data_axes) for layout in layouts}
+    )
+    if any(batch_size % n == 0 for n in shards):
+        return
+    fewest = shards[0]
+    nearest = max(fewest, round(batch_size / fewest) * fewest)
+    raise SystemExit(
+        f"python -m meshkit.plan: --batch-size {batch_size} does not split over the data "
+        f"shards (data x fsdp) of any candidate layout ({', '.join(map(str, shards))}); "
+        f"pass a multiple of {fewest}, e.g. --batch-size {nearest}"
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Plans as ``args`` say, prints the table and the choice; returns the JSON plan."""
-    from meshkit.plan._layout import Target
+    from meshkit.plan._layout import Target, target_devices
     from meshkit.plan._planner import candidate_layouts, plan
 
     target = Target(args.accelerator, args.devices, args.slices, args.compiler, args.topology)
@@ -183,6 +212,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = _workload(args)
     if not layouts:
         raise SystemExit(_no_layouts(args))
+    if args.workload is None:
+        _check_batch(args.batch_size, layouts)
+    try:  # the stand-in devices: a TPU topology needs libtpu and the right chip count
+        target_devices(target)
+    except (ImportError, RuntimeError, ValueError) as error:
+        raise SystemExit(f"python -m meshkit.plan: {error}") from None
     try:
         result = plan(workload, layouts, target, progress=not args.quiet, keep_idle=args.keep_idle)
     except ValueError as error:  # a workload whose step cannot be traced: the cause, one line
@@ -197,9 +232,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result.to_json()
 
 
+def _check_target(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """A target the command line cannot mean ends in one line naming the flag."""
+    from meshkit.plan._accelerators import ACCELERATORS
+
+    if args.accelerator not in ACCELERATORS:
+        p.error(
+            f"argument --accelerator: unknown chip {args.accelerator!r}; pass one of "
+            f"{', '.join(sorted(ACCELERATORS))}"
+        )
+    if args.devices % args.slices:
+        p.error(
+            f"--devices {args.devices} does not split into --slices {args.slices} of equal "
+            "size; pass a slice count that divides the devices"
+        )
+    if args.compiler == "tpu" and not args.topology:
+        p.error(
+            "--compiler tpu needs --topology, the TPU slice to compile for, e.g. "
+            "--topology v5e:16x16 (256 chips) or v5e:8x8 (64)"
+        )
+    if args.topology and args.compiler != "tpu":
+        p.error(f"--topology {args.topology} is for the TPU compiler: add --compiler tpu")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: starts JAX with as many fake CPU devices as the target has."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    _check_target(args, p)
     import jax
 
     if args.compiler == "cpu":

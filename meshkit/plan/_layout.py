@@ -267,13 +267,14 @@ def _tpu_devices(target: Target) -> list[Any]:
         raise RuntimeError(
             f"Could not describe TPU topology {target.topology!r} ({error}). The TPU "
             'compiler comes with libtpu: pip install "meshkit[tpu]" (jax[tpu] at the '
-            "installed jax version); or plan with compiler='cpu'."
+            "installed jax version); or plan with compiler='cpu' (--compiler cpu)."
         ) from error
     devices = sorted(topology.devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
     if len(devices) != target.devices:
         raise ValueError(
             f"TPU topology {target.topology!r} x {target.slices} slices has {len(devices)} "
-            f"chips, but the target says devices={target.devices}. Make them agree."
+            f"chips, but the target says devices={target.devices} (--devices). Make them "
+            "agree."
         )
     return devices
 

@@ -217,6 +217,11 @@ class Plan:
 def _nothing_fits(plan: Plan) -> str:
     closest = plan.reports[0]
     m = closest.measurement
+    if m.error and "for memory" not in m.error:  # ranked last: no layout has a size at all
+        return (
+            f"No candidate layout could be compiled for {plan.target.devices} x "
+            f"{plan.target.accelerator}; the first, {m.layout.name!r}: {m.error}."
+        )
     over = m.total_bytes - closest.capacity_bytes
     state = m.params_bytes + m.optimizer_bytes
     bigger = sorted(
