@@ -1,6 +1,7 @@
 """Finds pmap-era code: ``python -m meshkit.migrate PATH...`` lists each idiom and its replacement.
 
-The files are parsed, never run. Each finding names the file and line, the idiom, what
+The files (Python, and Jupyter notebooks cell by cell) are parsed, never run. Each
+finding names the file and line, the idiom, what
 replaces it in meshkit and the section of the pmap guide (docs/pmap.md) that shows it.
 The exit code is 1 when anything was found, so the check can run in a project's CI; a
 line ending in ``# meshkit: ok`` is not reported (a model kept and wrapped in
@@ -82,18 +83,21 @@ class Finding:
 
     Attributes:
       path: the file.
-      line: its line number.
+      line: its line number (in its cell, for a notebook).
       idiom: what was found (a dotted name, or a description).
       replacement: what replaces it in meshkit.
+      cell: for a Jupyter notebook, the cell, counting every cell from 1.
     """
 
     path: str
     line: int
     idiom: str
     replacement: str
+    cell: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.idiom}: {self.replacement} ({GUIDE})"
+        where = f"cell {self.cell}:{self.line}" if self.cell is not None else self.line
+        return f"{self.path}:{where}: {self.idiom}: {self.replacement} ({GUIDE})"
 
 
 def _imports(tree: ast.Module) -> dict[str, str]:
@@ -159,13 +163,15 @@ TREE_MAPS = ("jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map")
 
 
 class _Finder(ast.NodeVisitor):
-    def __init__(self, path: str, imports: dict[str, str]):
+    def __init__(self, path: str, imports: dict[str, str], cell: int | None = None):
         self.path = path
         self.imports = imports
+        self.cell = cell
         self.findings: list[Finding] = []
 
     def add(self, node: ast.AST, idiom: str, replacement: str) -> None:
-        self.findings.append(Finding(self.path, getattr(node, "lineno", 0), idiom, replacement))
+        line = getattr(node, "lineno", 0)
+        self.findings.append(Finding(self.path, line, idiom, replacement, self.cell))
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         self._name(node)
@@ -273,9 +279,16 @@ class _Finder(ast.NodeVisitor):
 def scan_source(source: str | bytes, path: str = "<source>") -> list[Finding]:
     """Every pmap-era idiom in Python ``source``, in line order."""
     tree = ast.parse(source, filename=path)
-    finder = _Finder(path, _imports(tree))
-    finder.visit(tree)
     text = source.decode("utf-8", "replace") if isinstance(source, bytes) else source
+    return _scan(tree, text, path, _imports(tree))
+
+
+def _scan(
+    tree: ast.Module, text: str, path: str, imports: dict[str, str], cell: int | None = None
+) -> list[Finding]:
+    """The findings of one parsed module (or notebook cell), less the handled lines."""
+    finder = _Finder(path, imports, cell)
+    finder.visit(tree)
     handled = {
         number
         for number, line in enumerate(text.splitlines(), 1)
@@ -285,15 +298,97 @@ def scan_source(source: str | bytes, path: str = "<source>") -> list[Finding]:
     return sorted(unique.values(), key=lambda f: (f.line, f.idiom))
 
 
+class NotANotebookError(ValueError):
+    """A ``.ipynb`` file that is not a Jupyter notebook's JSON."""
+
+
+def scan_notebook(
+    source: str | bytes, path: str = "<notebook>", *, unreadable: list[str] | None = None
+) -> list[Finding]:
+    """Every pmap-era idiom in the code cells of a Jupyter notebook (its ``.ipynb`` JSON),
+    by cell (counting every cell from 1) and line in the cell.
+
+    Imports count across cells (a notebook imports in its first cell what later cells
+    use); IPython's ``%magic`` and ``!shell`` lines are skipped. A cell that is not
+    valid Python is named in ``unreadable`` (raised as ``SyntaxError`` when it is
+    ``None``) and the other cells are still checked.
+
+    Examples:
+        >>> cells = [{"cell_type": "code", "source": ["import jax\\n", "!nvidia-smi\\n"]},
+        ...          {"cell_type": "markdown", "source": "Now `pmap` it."},
+        ...          {"cell_type": "code", "source": "step = jax.pmap(train_step)"}]
+        >>> [str(f).split(": ")[0] for f in scan_notebook(json.dumps({"cells": cells}), "nb.ipynb")]
+        ['nb.ipynb:cell 3:1']
+    """
+    try:
+        cells = json.loads(source)["cells"]
+        code = [
+            (number, _without_magics(_cell_text(cell)))
+            for number, cell in enumerate(cells, 1)
+            if cell.get("cell_type") == "code"
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise NotANotebookError(
+            f"not a Jupyter notebook ({type(error).__name__}: {error})"
+        ) from None
+    parsed: list[tuple[int, str, ast.Module]] = []
+    for number, text in code:
+        try:
+            parsed.append((number, text, ast.parse(text, filename=f"{path}, cell {number}")))
+        except (SyntaxError, ValueError) as error:
+            reason = f"{path}: cell {number} not checked, {_unreadable(error)}"
+            if unreadable is None:
+                raise SyntaxError(reason) from None
+            unreadable.append(reason)
+    imports: dict[str, str] = {}
+    for _, _, tree in parsed:
+        imports.update(_imports(tree))
+    return [
+        finding
+        for number, text, tree in parsed
+        for finding in _scan(tree, text, path, imports, cell=number)
+    ]
+
+
+def _cell_text(cell: dict[str, object]) -> str:
+    source = cell.get("source", "")
+    if isinstance(source, list):
+        return "".join(str(line) for line in source)
+    if not isinstance(source, str):
+        raise TypeError(f"a cell's source is {type(source).__name__}, not text")
+    return source
+
+
+def _without_magics(text: str) -> str:
+    """The cell with IPython's ``%``/``%%`` magic and ``!`` shell lines as ``pass``
+    (line numbers kept)."""
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        stripped = line.lstrip()
+        if stripped.startswith(("%", "!")):
+            lines[index] = line[: len(line) - len(stripped)] + "pass"
+    return "\n".join(lines)
+
+
 HANDLED = "# meshkit: ok"
 """A line ending in this comment is not reported: its idiom was looked at and kept."""
 
 
+SKIPPED_FOLDERS = (".venv", ".ipynb_checkpoints", ".git")
+"""Folders a scan does not enter: a virtual environment, Jupyter's autosaves, git's."""
+
+
 def _python_files(paths: Sequence[str]) -> Iterator[Path]:
+    """The files at ``paths``; a folder's Python files and notebooks, in name order."""
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            yield from sorted(p for p in path.rglob("*.py") if ".venv" not in p.parts)
+            yield from sorted(
+                p
+                for pattern in ("*.py", "*.ipynb")
+                for p in path.rglob(pattern)
+                if not set(SKIPPED_FOLDERS) & set(p.parts)
+            )
         else:
             yield path
 
@@ -314,7 +409,10 @@ def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> 
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such file or folder to check.")
         try:
-            findings += scan_source(path.read_bytes(), str(path))
+            if path.suffix == ".ipynb":
+                findings += scan_notebook(path.read_bytes(), str(path), unreadable=unreadable)
+            else:
+                findings += scan_source(path.read_bytes(), str(path))
         except (SyntaxError, ValueError) as error:  # ValueError: null bytes in older Pythons
             reason = f"{path}: not checked, {_unreadable(error)}"
             if unreadable is None:
@@ -325,6 +423,8 @@ def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> 
 
 def _unreadable(error: Exception) -> str:
     """Why a file could not be read as Python, in a few words."""
+    if isinstance(error, NotANotebookError):
+        return str(error)
     message = getattr(error, "msg", None) or str(error)
     line = getattr(error, "lineno", None)
     where = f" at line {line}" if line else ""
@@ -335,13 +435,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m meshkit.migrate PATH...``: prints the findings; 1 if any, else 0."""
     parser = argparse.ArgumentParser(
         prog="python -m meshkit.migrate",
-        description="List the pmap-era idioms in Python files and what replaces each.",
+        description="List the pmap-era idioms in Python files and Jupyter notebooks and what "
+        "replaces each.",
     )
-    parser.add_argument("paths", nargs="+", help="Python files or folders")
+    parser.add_argument("paths", nargs="+", help="Python files, notebooks (.ipynb) or folders")
     parser.add_argument(
         "--json", action="store_true", help="print the findings as a JSON list of objects"
     )
     args = parser.parse_args(argv)
+    folders = [name for name in args.paths if Path(name).is_dir()]
+    if folders and not any(True for _ in _python_files(folders)):
+        print(
+            f"error: no Python files (*.py) or notebooks (*.ipynb) in {', '.join(folders)}.",
+            file=sys.stderr,
+        )
+        return 2
     unreadable: list[str] = []
     try:
         findings = scan_paths(args.paths, unreadable=unreadable)

@@ -252,3 +252,68 @@ def test_idioms_written_by_hand_are_found_and_a_handled_line_is_not(tmp_path: Pa
     printed = json.loads(capsys.readouterr().out)
     assert len(printed["findings"]) == 7 and printed["not_checked"] == []
     assert printed["findings"][0]["line"] == 7 and printed["findings"][0]["guide"]
+
+
+def notebook(*cells: tuple[str, str]) -> str:
+    """A Jupyter notebook's JSON with these (cell type, source) cells; sources as lists of
+    lines, as Jupyter writes them."""
+    return json.dumps(
+        {
+            "cells": [
+                {"cell_type": kind, "metadata": {}, "source": text.splitlines(keepends=True)}
+                for kind, text in cells
+            ],
+            "metadata": {},
+            "nbformat": 4,
+            "nbformat_minor": 5,
+        }
+    )
+
+
+def test_a_notebook_is_checked_cell_by_cell_with_imports_from_earlier_cells(tmp_path: Path, capsys):
+    imports, _, body = HOWTO.partition("\n\n\n")
+    body = "%%time\n!pip install -q flax\n" + body  # magics and shell lines are skipped
+    text = notebook(("code", imports), ("markdown", "Train it with `jax.pmap`."), ("code", body))
+    findings = migrate.scan_notebook(text, "howto.ipynb")
+    assert {f.cell for f in findings} == {3}  # the markdown cell names pmap in prose only
+    at = functools.partial(line_of, body)
+    expected = found(migrate.scan_source(HOWTO, "howto.py"))
+    assert found(findings) == {  # the same idioms, at their lines in the cell
+        idiom: {at(HOWTO.splitlines()[line - 1]) for line in lines}
+        for idiom, lines in expected.items()
+    }
+    (tmp_path / "howto.ipynb").write_text(text)
+    checkpoints = tmp_path / ".ipynb_checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "howto-checkpoint.ipynb").write_text(text)  # Jupyter's autosave: skipped
+    assert migrate.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'howto.ipynb'}:cell 3:{at('@jax.pmap')}: jax.pmap: jax.jit" in out
+    assert f"{len(findings)} pmap-era idiom(s) in 1 file(s)." in out
+    assert migrate.main(["--json", str(tmp_path / "howto.ipynb")]) == 1
+    records = json.loads(capsys.readouterr().out)["findings"]
+    assert {r["cell"] for r in records} == {3} and len(records) == len(findings)
+
+
+def test_a_broken_cell_or_a_file_that_is_no_notebook_is_named_and_the_rest_checked(
+    tmp_path: Path, capsys
+):
+    text = notebook(("code", "import jax\n"), ("code", "def f(:\n"), ("code", "g = jax.pmap(f)\n"))
+    (tmp_path / "a.ipynb").write_text(text)
+    (tmp_path / "b.ipynb").write_text("{not json")
+    assert migrate.main([str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'a.ipynb'}:cell 3:1: jax.pmap" in captured.out
+    assert captured.err.strip().splitlines() == [
+        f"{tmp_path / 'a.ipynb'}: cell 2 not checked, not valid Python at line 1: invalid syntax",
+        f"{tmp_path / 'b.ipynb'}: not checked, not a Jupyter notebook (JSONDecodeError: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+    ]
+
+
+def test_a_folder_with_nothing_to_check_is_an_error_not_a_clean_result(tmp_path: Path, capsys):
+    (tmp_path / "notes.txt").write_text("jax.pmap(f)\n")
+    assert migrate.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: no Python files (*.py) or notebooks (*.ipynb) in {tmp_path}."
+    )
