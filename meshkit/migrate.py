@@ -1,8 +1,8 @@
 """Finds pmap-era code: ``python -m meshkit.migrate PATH...`` lists each idiom and its replacement.
 
 The files (Python, and Jupyter notebooks cell by cell) are parsed, never run. Each
-finding names the file and line, the idiom, what
-replaces it in meshkit and the section of the pmap guide (docs/pmap.md) that shows it.
+finding names the file and line, the idiom, what replaces it in meshkit and the section
+of the pmap guide (docs/pmap.md) that shows it.
 The exit code is 1 when anything was found, so the check can run in a project's CI; a
 line ending in ``# meshkit: ok`` is not reported (a model kept and wrapped in
 ``per_device``, for instance), and ``--json`` prints the findings as JSON.
