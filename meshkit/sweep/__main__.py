@@ -28,8 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m meshkit.sweep merge: {error}", file=sys.stderr)
         return 2
     print(merged_table(merged, args.limit))
+    trials, sweeps = len(merged["trials"]), len(merged["sources"])
     print(
-        f"{len(merged['trials'])} trials from {len(merged['sources'])} sweeps; "
+        f"{trials} trial{'s' * (trials != 1)} from {sweeps} sweep{'s' * (sweeps != 1)}; "
         f"written to {write_merged(merged, args.out)}"
     )
     return 0
