@@ -125,6 +125,15 @@ def save(name: str, results: dict[str, Any]) -> Path:
     return path
 
 
+def stopped_by_a_signal(result: Any) -> Any:
+    """``result`` of a ``fit`` or ``run_sweep``, or the benchmark's end when a signal
+    stopped that run: ``fit`` takes a SIGTERM or a first Ctrl-C as a preemption (it
+    saves and returns), which would otherwise only end the round and start the next."""
+    if getattr(result, "preempted", False) or getattr(result, "interrupted", False):
+        raise SystemExit("benchmark stopped: a run was asked to stop (SIGTERM or Ctrl-C)")
+    return result
+
+
 def fit_once(
     state: Any,
     step: Callable[..., Any],
@@ -148,13 +157,15 @@ def fit_once(
         _chunks._MEASURED.clear()
 
     with tempfile.TemporaryDirectory() as workdir:
-        return train.fit(
-            state,
-            step,
-            pipeline,
-            num_steps=steps,
-            workdir=workdir,
-            checkpoints=train.Checkpoints(every=steps),
-            logging=train.Logging(progress=False),
-            dispatch=train.Dispatch(steps_per_dispatch=n),
+        return stopped_by_a_signal(
+            train.fit(
+                state,
+                step,
+                pipeline,
+                num_steps=steps,
+                workdir=workdir,
+                checkpoints=train.Checkpoints(every=steps),
+                logging=train.Logging(progress=False),
+                dispatch=train.Dispatch(steps_per_dispatch=n),
+            )
         )

@@ -45,7 +45,7 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._harness import interleave, report, save, stopped_by_a_signal  # noqa: E402
 from meshkit import data, ensemble, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -170,6 +170,7 @@ def whole_run_compiles() -> dict:
             checkpoints=train.Checkpoints(every=steps),
             logging=train.Logging(progress=False),
         )
+        stopped_by_a_signal(result)
     return {
         "steps": steps,
         "global_batch_size": pipeline.global_batch_size,

@@ -51,7 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._harness import interleave, report, save, stopped_by_a_signal  # noqa: E402
 from meshkit import data, ensemble, sweep, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -120,6 +120,7 @@ class Bench:
                 logging=train.Logging(progress=False),
                 dispatch=train.Dispatch(steps_per_dispatch="auto" if resident else 1),
             )
+            stopped_by_a_signal(result)
             jax.block_until_ready(result.state)
         accuracy = {t.id: t.metrics["accuracy"] for t in result.trials}
         return {
@@ -155,6 +156,7 @@ class Bench:
                     evaluation=train.Evaluation(eval_pipeline),
                     logging=train.Logging(progress=False),
                 )
+                stopped_by_a_signal(result)
                 jax.block_until_ready(result.state)
             compiles.append(result.train_step_compiles)
             accuracy.append(result.eval_metrics["accuracy"])
