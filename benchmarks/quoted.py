@@ -160,6 +160,13 @@ def _versions(env: dict[str, Any]) -> str:
     return f"Python {env['python']}, jax {env['jax']}, flax {env['flax']}, optax {env['optax']}"
 
 
+def versions_and_devices(run: dict[str, Any]) -> str:
+    """``Python 3.11.7, jax 0.10.2, ..., 8 CPU devices``: a recorded run's software and
+    devices."""
+    env = run["environment"]
+    return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
+
+
 def sweep_versions(run: dict[str, Any]) -> str:
     """The software and devices of the recorded sweep run."""
     env = run["environment"]
@@ -276,12 +283,6 @@ def host_placement_one_device(run: dict[str, Any]) -> str:
     return f"{float(case['thread_over_loop']['1']):.2f}"
 
 
-def host_placement_versions(run: dict[str, Any]) -> str:
-    """The software of the recorded host-placement run."""
-    env = run["environment"]
-    return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
-
-
 _ENSEMBLE_ROWS = {
     "HOWTO pmap, K=8": "the HOWTO's `pmap` program, K=8",
     "meshkit K=8, ensemble=8": "meshkit K=8, `ensemble=8`",
@@ -374,10 +375,63 @@ def ensemble_strategies_summary(run: dict[str, Any]) -> str:
     )
 
 
-def fit_overhead_versions(run: dict[str, Any]) -> str:
-    """The software of the recorded fit-overhead run."""
-    env = run["environment"]
-    return f"{_versions(env)}, {env['devices']} {env['platform'].upper()} devices"
+_PRECISION_ROWS = {
+    "f32": "f32",
+    "bf16": "bf16",
+    "f16 + loss scaling": "f16 + loss scaling",
+    "f32, 4 micro-batches, unrolled": "f32, 4 micro-batches, unrolled (CPU's default)",
+    "f32, 4 micro-batches, one loop": "f32, 4 micro-batches, one loop (GPU's and TPU's)",
+    "f32, 8 micro-batches, unrolled": "f32, 8 micro-batches, unrolled",
+    "f32, 8 micro-batches, one loop": "f32, 8 micro-batches, one loop",
+}
+
+
+def _temp_over_f32(run: dict[str, Any], name: str) -> float:
+    return run["memory"][name]["temp_bytes"] / run["memory"]["f32"]["temp_bytes"]
+
+
+def precision_table(run: dict[str, Any]) -> str:
+    """Each precision and micro-batch form: step time, and XLA's temporaries against f32
+    (in bold where a loop holds one micro-batch's activations at a time)."""
+    rows = []
+    for name, label in _PRECISION_ROWS.items():
+        timing, temp = run["candidates"][name], run["memory"][name]["temp_bytes"]
+        ratio = f"{_temp_over_f32(run, name):.3f}"
+        rows.append(
+            [
+                label,
+                f"{timing['median_s'] * 1e3:.1f}",
+                f"{timing['ratio_of_totals_vs_baseline']:.3f}",
+                f"{temp / 2**20:.2f}",
+                f"**{ratio}**" if "one loop" in name else ratio,
+            ]
+        )
+    header = ["candidate", "median ms/step", "total / f32", "temporaries MiB", "temp / f32"]
+    return _table(header, ["left", "right", "right", "right", "right"], rows)
+
+
+def precision_arguments(run: dict[str, Any]) -> str:
+    """``3.34 MiB``: the state and batch a step takes, the same for every candidate."""
+    return f"{run['memory']['f32']['argument_bytes'] / 2**20:.2f} MiB"
+
+
+def precision_loop_temporaries(run: dict[str, Any]) -> str:
+    """What micro-batches in one loop save in temporaries, with 4 and with 8."""
+    four = _temp_over_f32(run, "f32, 4 micro-batches, one loop")
+    eight = _temp_over_f32(run, "f32, 8 micro-batches, one loop")
+    return f"{four:.2f}× the temporaries with 4, {eight:.2f}× with 8"
+
+
+def precision_loop_slowdown(run: dict[str, Any]) -> str:
+    """How much slower 4 micro-batches run as one loop than unrolled (XLA:CPU's loop
+    body), and the unrolled form's time against one f32 step."""
+    candidates = run["candidates"]
+    loop = candidates["f32, 4 micro-batches, one loop"]["total_s"]
+    unrolled = candidates["f32, 4 micro-batches, unrolled"]
+    return (
+        f"{loop / unrolled['total_s']:.1f}× slower in the recorded run, while 4 unrolled "
+        f"take {unrolled['ratio_of_totals_vs_baseline']:.2f}× one f32 step"
+    )
 
 
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
@@ -394,14 +448,19 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fit_overhead.table": ("fit_overhead", fit_overhead_table),
     "fit_overhead.host_table": ("fit_overhead", fit_overhead_host_table),
     "fit_overhead.ensemble_over_fit": ("fit_overhead", fit_overhead_ensemble_over_fit),
-    "fit_overhead.versions": ("fit_overhead", fit_overhead_versions),
+    "fit_overhead.versions": ("fit_overhead", versions_and_devices),
     "host_placement.table": ("host_placement", host_placement_table),
     "ensemble.table": ("ensemble", ensemble_table),
     "ensemble.summary": ("ensemble", ensemble_summary),
     "ensemble.strategies_table": ("ensemble", ensemble_strategies_table),
     "ensemble.strategies_summary": ("ensemble", ensemble_strategies_summary),
     "host_placement.one_device": ("host_placement", host_placement_one_device),
-    "host_placement.versions": ("host_placement", host_placement_versions),
+    "host_placement.versions": ("host_placement", versions_and_devices),
+    "precision.table": ("precision", precision_table),
+    "precision.arguments": ("precision", precision_arguments),
+    "precision.loop_temporaries": ("precision", precision_loop_temporaries),
+    "precision.loop_slowdown": ("precision", precision_loop_slowdown),
+    "precision.versions": ("precision", versions_and_devices),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""
 
