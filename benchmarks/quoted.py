@@ -434,6 +434,136 @@ def precision_loop_slowdown(run: dict[str, Any]) -> str:
     )
 
 
+def _sizes(run: dict[str, Any]) -> list[str]:
+    """The image sets of an input-pipeline run, in the order measured."""
+    return [key for key, value in run.items() if isinstance(value, dict) and "candidates" in value]
+
+
+def _size_label(size: str) -> str:
+    """``32×32``, ``256×256 → 224``."""
+    return size.replace("x", "×").replace("->", "→")
+
+
+def _images(rate: float, limit: float) -> str:
+    return f"{rate:,.0f} ({rate / limit:.2f}×)"
+
+
+def input_pipeline_table(run: dict[str, Any]) -> str:
+    """Images per second of every host setting and of decode-only input, per image
+    size, against the limit; the host default (``input_settings``) in bold, and the
+    fastest host setting named."""
+    columns: list[str] = []
+    for size in _sizes(run):
+        for name in run[size]["candidates"]:
+            base = name.split(" = ")[0]
+            if not base.startswith("members=") and base not in columns:
+                columns.append(base)
+    rows = []
+    for size in _sizes(run):
+        measured, limit = run[size], run[size]["limit_images_per_second"]
+        by_base = {name.split(" = ")[0]: name for name in measured["candidates"]}
+        cells = [_size_label(size), f"{limit:,.0f}"]
+        for base in columns:
+            name = by_base.get(base)
+            if name is None:
+                cells.append("")
+                continue
+            cell = _images(measured["candidates"][name]["images_per_s"], limit)
+            cells.append(f"**{cell}**" if name == measured["host_default_row"] else cell)
+        fastest = measured["fastest_host_setting"].split(" = ")[0]
+        same = measured["fastest_host_setting"] == measured["host_default_row"]
+        cells.append(f"{fastest}{' (the default)' if same else ''}")
+        rows.append(cells)
+    header = [
+        "JPEG, trained size",
+        f"limit ({run['cores']} cores)",
+        *columns,
+        "fastest host setting",
+    ]
+    return _table(header, ["left", *["right"] * (len(header) - 2), "left"], rows)
+
+
+def input_pipeline_defaults(run: dict[str, Any]) -> str:
+    """The host default and the recipe's default per image size, as shares of the limit."""
+    rows = []
+    for size in _sizes(run):
+        measured = run[size]
+        limit = measured["limit_images_per_second"]
+        host = measured["host_default_images_per_second"] / limit
+        default = measured["default_images_per_second"] / limit
+        if measured["default_augmentation"] == "device":
+            how = (
+                f"decode only; device augmentation "
+                f"{measured['device_augment_ms_per_batch']:.1f} ms a batch"
+            )
+        else:
+            settings = measured["default_settings"]
+            how = "threads on the host" if settings["num_threads"] else "workers on the host"
+        rows.append([_size_label(size), f"{host:.2f}×", f"{default:.2f}× ({how})"])
+    header = ["images", "host default (`input_settings`)", "recipe default"]
+    return _table(header, ["left", "right", "right"], rows)
+
+
+def input_pipeline_limits(run: dict[str, Any]) -> str:
+    """``limit 10,949, 8,761 and 1,064 images/s at 32×32, 64×64 and 256→224``."""
+    sizes = _sizes(run)
+    rates = [f"{run[size]['limit_images_per_second']:,.0f}" for size in sizes]
+    labels = [_size_label(size).replace(" ", "") for size in sizes]
+    return (
+        f"limit {', '.join(rates[:-1])} and {rates[-1]} images/s at "
+        f"{', '.join(labels[:-1])} and {labels[-1]}"
+    )
+
+
+def input_pipeline_step(run: dict[str, Any]) -> str:
+    """What the image recipe's ResNet-18 step consumes."""
+    step = run["resnet18_step"]
+    return (
+        f"{step['images_per_s']:,.0f} images/s ({step['median_s'] * 1e3:.0f} ms for "
+        f"{run['batch']} images at 32×32 on 8 fake CPU devices)"
+    )
+
+
+def input_pipeline_device_augmentation(run: dict[str, Any]) -> str:
+    """The train step's share of decode-only input, per image size."""
+    parts = [
+        f"{run[size]['device_augment_ms_per_batch']:.1f} ms ({_size_label(size)})"
+        for size in _sizes(run)
+    ]
+    return f"{', '.join(parts[:-1])} and {parts[-1]} a batch of {run['batch']}"
+
+
+def input_pipeline_default_is_fastest(run: dict[str, Any]) -> str:
+    """Whether the host default was the fastest host setting at every size, and where not."""
+    missed = []
+    for size in _sizes(run):
+        measured = run[size]
+        fastest, default = measured["fastest_host_setting"], measured["host_default_row"]
+        if fastest != default:
+            rows = measured["candidates"]
+            missed.append(
+                f"at {_size_label(size)} {fastest} was ({rows[fastest]['ratio_to_limit']:.2f}× "
+                f"against {rows[default]['ratio_to_limit']:.2f}×)"
+            )
+    if not missed:
+        return "the default is the fastest host setting at every size"
+    return f"the default is not the fastest everywhere: {'; '.join(missed)}"
+
+
+def input_pipeline_members(run: dict[str, Any]) -> str:
+    """Images delivered by K member orders at once, per small image size."""
+    parts, counts = [], ""
+    for size in _sizes(run):
+        measured, limit = run[size], run[size]["limit_images_per_second"]
+        members = {n: c for n, c in measured["candidates"].items() if n.startswith("members=")}
+        if not members:
+            continue
+        counts = " and ".join(name.split("=")[1] for name in members)
+        rates = " and ".join(_images(c["images_per_s"], limit) for c in members.values())
+        parts.append(f"{rates} images/s at {_size_label(size)}")
+    return f"{counts} members deliver {'; '.join(parts)}"
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_hour.table": ("first_hour", first_hour_table),
     "first_hour.first_command": ("first_hour", first_hour_first_command),
@@ -461,6 +591,14 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "precision.loop_temporaries": ("precision", precision_loop_temporaries),
     "precision.loop_slowdown": ("precision", precision_loop_slowdown),
     "precision.versions": ("precision", versions_and_devices),
+    "input_pipeline.table": ("input_pipeline", input_pipeline_table),
+    "input_pipeline.defaults": ("input_pipeline", input_pipeline_defaults),
+    "input_pipeline.limits": ("input_pipeline", input_pipeline_limits),
+    "input_pipeline.step": ("input_pipeline", input_pipeline_step),
+    "input_pipeline.device_augmentation": ("input_pipeline", input_pipeline_device_augmentation),
+    "input_pipeline.members": ("input_pipeline", input_pipeline_members),
+    "input_pipeline.default_is_fastest": ("input_pipeline", input_pipeline_default_is_fastest),
+    "input_pipeline.versions": ("input_pipeline", versions_and_devices),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""
 
