@@ -564,6 +564,145 @@ def input_pipeline_members(run: dict[str, Any]) -> str:
     return f"{counts} members deliver {'; '.join(parts)}"
 
 
+_LBFGS_SOLVERS = {
+    "notebook jaxopt loop (ported)": "the notebook's loop, ported",
+    "jaxopt.LBFGS.run, jitted": "`jaxopt.LBFGS.run`, jitted",
+    "optax.lbfgs, jitted loop": "`optax.lbfgs`, jitted loop",
+    "meshkit.lbfgs solve": "`meshkit.lbfgs` `solve` (defaults)",
+    "meshkit, history_size=10": "`meshkit.lbfgs`, `history_size=10`",
+}
+_LBFGS_PEERS = (
+    "notebook jaxopt loop (ported)",
+    "jaxopt.LBFGS.run, jitted",
+    "optax.lbfgs, jitted loop",
+)
+_LBFGS_PROBLEMS = {"seed": "the notebook's problem", "ill_conditioned": "the ill-conditioned one"}
+
+
+def _lbfgs_table(problem: dict[str, Any]) -> str:
+    """Each solver's iterations, evaluations, cost per evaluation and meshkit's time
+    over its time (bold where meshkit is faster)."""
+    rows = []
+    for name, label in _LBFGS_SOLVERS.items():
+        row = problem["candidates"].get(name)
+        if row is None:
+            continue
+        ratio = row["meshkit_total_over_this"]
+        mark = " ¹" if "jaxopt" in name else ""
+        rows.append(
+            [
+                label,
+                str(row["iterations"]),
+                f"{row['evaluations']}{mark}",
+                f"{row['ms_per_evaluation']:.1f}",
+                f"{row['evaluation_over_one_read']:.2f}",
+                f"**{ratio:.3f}**" if ratio < 1 and name in _LBFGS_PEERS else f"{ratio:.3f}",
+            ]
+        )
+    header = [
+        "solver",
+        "iterations",
+        "evaluations",
+        "ms / evaluation",
+        "× one read of X",
+        "meshkit / this",
+    ]
+    return _table(header, ["left", *["right"] * 5], rows)
+
+
+def _lbfgs_read(problem: dict[str, Any], rows: int | None = None) -> str:
+    """``one read of X: 6.0 ms`` (with its size and rate for the large problem)."""
+    read = problem["one_read_of_x_ms"]
+    if rows is None:
+        return f"one read of X: {read:.1f} ms"
+    megabytes = rows * 784 * 4 / 1e6
+    return (
+        f"one read of X, {megabytes:,.0f} MB: {read:.1f} ms, "
+        f"{problem['bandwidth_gb_per_s']:.1f} GB/s"
+    )
+
+
+def _lbfgs_peer_ratios(problem: dict[str, Any]) -> list[float]:
+    return [
+        problem["candidates"][name]["meshkit_total_over_this"]
+        for name in _LBFGS_PEERS
+        if name in problem["candidates"]
+    ]
+
+
+def lbfgs_ratios(run: dict[str, Any]) -> str:
+    """meshkit's time over each peer's, per problem, in the peers' order."""
+    parts = []
+    for key, label in (*_LBFGS_PROBLEMS.items(), ("large", "at 200,000 rows")):
+        ratios = ", ".join(f"{r:.2f}" for r in _lbfgs_peer_ratios(run["problems"][key]))
+        parts.append(f"{ratios} {'on ' if key in _LBFGS_PROBLEMS else ''}{label}")
+    return "; ".join(parts)
+
+
+def lbfgs_summary(run: dict[str, Any]) -> str:
+    """meshkit's time against the fastest and the slowest peer, per problem."""
+    spans = []
+    for key in ("seed", "ill_conditioned", "large"):
+        ratios = _lbfgs_peer_ratios(run["problems"][key])
+        spans.append(f"{min(ratios):.2f}–{max(ratios):.2f}×")
+    return (
+        f"meshkit takes {spans[0]} the peers' times on the notebook's problem, {spans[1]} "
+        f"on the ill-conditioned one and {spans[2]} at 200,000 rows"
+    )
+
+
+def lbfgs_reads(run: dict[str, Any]) -> str:
+    """``2.5–3.0 reads of X``: what one of meshkit's evaluations costs, over the problems."""
+    reads = [
+        problem["candidates"]["meshkit.lbfgs solve"]["evaluation_over_one_read"]
+        for problem in run["problems"].values()
+    ]
+    return f"{min(reads):.1f}–{max(reads):.1f} reads of X"
+
+
+def lbfgs_exactness(run: dict[str, Any]) -> str:
+    """The final objective against scipy's float64 optimum."""
+    meshkit = run["problems"]["seed"]["candidates"]["meshkit.lbfgs solve"]["value"]
+    return (
+        f"the final objective, {meshkit:.7f}, is {run['relative_gap_to_scipy']:.1e} "
+        f"(relative) above scipy's float64 L-BFGS-B optimum, {run['scipy']['value']:.7f}"
+    )
+
+
+def lbfgs_operations(run: dict[str, Any]) -> str:
+    """Operations per iteration of one compiled step."""
+    ops = run["operations_per_iteration"]
+    return f"{ops['fixed']} outside the line search, {ops['per_trip_0']} per line-search evaluation"
+
+
+def lbfgs_scaling(run: dict[str, Any]) -> str:
+    """Time per iteration at three sizes."""
+    rows = [
+        [
+            f"{int(size):,}",
+            f"{row['ms_per_iteration']:.1f}",
+            f"{row['ms_per_evaluation']:.1f}",
+            f"{row['evaluations'] / row['iterations']:.2f}",
+        ]
+        for size, row in run["scaling"].items()
+    ]
+    header = ["rows", "ms / iteration", "ms / evaluation", "evaluations / iteration"]
+    return _table(header, ["right"] * 4, rows)
+
+
+def lbfgs_peak_memory(run: dict[str, Any]) -> str:
+    """Peak resident memory of one first solve, the notebook's loop against meshkit."""
+    seed, meshkit = run["peak_memory"]["seed"], run["peak_memory"]["meshkit"]
+
+    def peak(row: dict[str, Any]) -> str:
+        return (
+            f"{row['peak_mib']:.0f} MiB (+{row['growth_mib']:.0f} MiB over "
+            f"{row['before_mib']:.0f} MiB)"
+        )
+
+    return f"the notebook's loop peaks at {peak(seed)}, meshkit at {peak(meshkit)}"
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_hour.table": ("first_hour", first_hour_table),
     "first_hour.first_command": ("first_hour", first_hour_first_command),
@@ -599,6 +738,26 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "input_pipeline.members": ("input_pipeline", input_pipeline_members),
     "input_pipeline.default_is_fastest": ("input_pipeline", input_pipeline_default_is_fastest),
     "input_pipeline.versions": ("input_pipeline", versions_and_devices),
+    "lbfgs.seed_table": ("lbfgs", lambda run: _lbfgs_table(run["problems"]["seed"])),
+    "lbfgs.ill_conditioned_table": (
+        "lbfgs",
+        lambda run: _lbfgs_table(run["problems"]["ill_conditioned"]),
+    ),
+    "lbfgs.large_table": ("lbfgs", lambda run: _lbfgs_table(run["problems"]["large"])),
+    "lbfgs.seed_read": ("lbfgs", lambda run: _lbfgs_read(run["problems"]["seed"])),
+    "lbfgs.ill_conditioned_read": (
+        "lbfgs",
+        lambda run: _lbfgs_read(run["problems"]["ill_conditioned"]),
+    ),
+    "lbfgs.large_read": ("lbfgs", lambda run: _lbfgs_read(run["problems"]["large"], 200_000)),
+    "lbfgs.ratios": ("lbfgs", lbfgs_ratios),
+    "lbfgs.summary": ("lbfgs", lbfgs_summary),
+    "lbfgs.reads": ("lbfgs", lbfgs_reads),
+    "lbfgs.exactness": ("lbfgs", lbfgs_exactness),
+    "lbfgs.operations": ("lbfgs", lbfgs_operations),
+    "lbfgs.scaling": ("lbfgs", lbfgs_scaling),
+    "lbfgs.peak_memory": ("lbfgs", lbfgs_peak_memory),
+    "lbfgs.versions": ("lbfgs", versions_and_devices),
 }
 """Region name -> (the recorded run it reads, the function that renders it)."""
 
