@@ -8,8 +8,7 @@ starts the command once per process with the environment that
 127.0.0.1 at a free port, ``MESHKIT_NUM_PROCESSES``, ``MESHKIT_PROCESS_ID``) and
 ``JAX_NUM_CPU_DEVICES`` / ``JAX_PLATFORMS=cpu``, so the processes form one JAX
 runtime with ``processes × devices-per-process`` CPU devices, as the hosts of a pod
-do. Each line a process prints comes out prefixed with its rank (``[1] ...``), less
-the lines in which JAX's CPU collectives report every device connected as expected.
+do. Each line a process prints comes out prefixed with its rank (``[1] ...``).
 
 Signals: the first Ctrl-C (SIGINT), a SIGTERM and a hangup (SIGHUP: the terminal or
 the ssh session closed) reach every process as SIGTERM, which a ``meshkit.train.fit``
@@ -58,20 +57,6 @@ DEFAULT_STOP_GRACE = 60.0
 before the launcher kills them; SLURM's and Kubernetes' defaults are 30 s, a save at
 scale can take longer."""
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line, or a \r progress update
-
-_ALL_CONNECTED = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected "
-    rb"peer ranks is : (\d+)\r?\n"
-)
-"""The line JAX's CPU collectives (Gloo) print for every device of every process once
-all of them have connected: 8 lines of noise on 2 x 4 devices. A line where the counts
-differ is kept."""
-
-
-def _noise(segment: bytes) -> bool:
-    """Whether an output line only says that every device connected as expected."""
-    match = _ALL_CONNECTED.fullmatch(segment)
-    return match is not None and match[1] == match[2]
 
 
 def free_port() -> int:
@@ -140,11 +125,7 @@ class _Prefixer:
 
     def _write(self, text: bytes) -> None:
         segments = _SEGMENT.findall(text)
-        body = b"".join(
-            self.prefix + segment
-            for segment in segments
-            if segment != b"\r" and not _noise(segment)
-        )
+        body = b"".join(self.prefix + segment for segment in segments if segment != b"\r")
         if self.out_closed:
             return
         with self.lock:

@@ -68,7 +68,6 @@ def test_the_processes_form_one_jax_runtime(tmp_path: Path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert [(tmp_path / str(rank)).read_text() for rank in range(2)] == ["2 4 6.0"] * 2
     assert "initialize(cpu_devices=8) is ignored" in result.stdout + result.stderr
-    assert "[Gloo]" not in result.stdout + result.stderr  # every device connected: noise
 
 
 def test_a_failing_process_stops_the_others_and_sets_the_exit_code():
@@ -321,18 +320,3 @@ def test_progress_updates_keep_their_carriage_returns_behind_the_prefix():
     with os.fdopen(read, "rb") as stream:
         prefixer.copy(stream)
     assert out.getvalue() == b"[1] start\n[1]  10%\r[1]  20%\r\n[1]  half\n"
-
-
-def test_lines_saying_every_device_connected_as_expected_are_left_out():
-    out = io.BytesIO()
-    prefixer = launch._Prefixer(0, 1, out, threading.Lock())
-    read, write = os.pipe()
-    connected = (
-        b"[Gloo] Rank %d is connected to %d peer ranks. "
-        b"Expected number of connected peer ranks is : %d\n"
-    )
-    os.write(write, connected % (0, 7, 7) + b"step 1\n" + connected % (1, 6, 7) + b"done\n")
-    os.close(write)
-    with os.fdopen(read, "rb") as stream:
-        prefixer.copy(stream)
-    assert out.getvalue() == b"[0] step 1\n[0] " + connected % (1, 6, 7) + b"[0] done\n"
