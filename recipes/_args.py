@@ -213,14 +213,11 @@ def _steps_per_dispatch(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"expected a whole number of at least 1 or auto, got {text!r}"
-        )
-    return value
+        ) from None
 
 
 def hyperparameters(args: argparse.Namespace, *recipe_specific: str) -> dict[str, Any]:

@@ -217,7 +217,7 @@ class Plan:
 def _nothing_fits(plan: Plan) -> str:
     closest = plan.reports[0]
     m = closest.measurement
-    if m.error and "for memory" not in m.error:  # ranked last: no layout has a size at all
+    if _not_compiled(m):  # ranked last: no layout has a size at all
         return (
             f"No candidate layout could be compiled for {plan.target.devices} x "
             f"{plan.target.accelerator}; the first, {m.layout.name!r}: {m.error}."
@@ -252,8 +252,13 @@ def _rank_key(report: LayoutReport) -> tuple[bool, bool, float]:
     m = report.measurement
     if report.fits:
         return (False, _wastes_an_axis(m), report.estimated_step_seconds)
-    unknown = bool(m.error) and "for memory" not in m.error
-    return (True, unknown, m.total_bytes - report.capacity_bytes)
+    return (True, _not_compiled(m), m.total_bytes - report.capacity_bytes)
+
+
+def _not_compiled(m: Measurement) -> bool:
+    """Whether the layout failed to compile for another reason than memory (so its
+    sizes say nothing)."""
+    return bool(m.error) and "for memory" not in m.error
 
 
 def plan(
