@@ -9,8 +9,9 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import flax.linen as nn
 import jax
 
 import meshkit
@@ -134,27 +135,12 @@ def stopped_by_a_signal(result: Any) -> Any:
     return result
 
 
-def fit_once(
-    state: Any,
-    step: Callable[..., Any],
-    pipeline: Any,
-    *,
-    steps: int,
-    n: Any = 1,
-    measured_before: bool = False,
-) -> Any:
+def fit_once(state: Any, step: Callable[..., Any], pipeline: Any, *, steps: int, n: Any = 1) -> Any:
     """One ``meshkit.train.fit`` run of ``steps`` steps in a fresh workdir: one checkpoint
-    (the last step), no progress bar, ``n`` steps per dispatch. ``'auto'`` measures the
-    step afresh, as in a new process, unless ``measured_before``: then it chooses from
-    what an earlier run in this process measured, as a second ``fit`` of a notebook or
-    a sweep's next stage does."""
+    (the last step), no progress bar, ``n`` steps per dispatch."""
     import tempfile
 
     from meshkit import train
-    from meshkit.train import _chunks
-
-    if not measured_before:
-        _chunks._MEASURED.clear()
 
     with tempfile.TemporaryDirectory() as workdir:
         return stopped_by_a_signal(
@@ -169,3 +155,37 @@ def fit_once(
                 dispatch=train.Dispatch(steps_per_dispatch=n),
             )
         )
+
+
+class TinyMLP(nn.Module):
+    """64 inputs, 32 hidden units, 10 classes: a step of a few microseconds of math."""
+
+    @nn.compact
+    def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        x = x_BxHxWxC.reshape(x_BxHxWxC.shape[0], -1)
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+
+def digits_classifier(
+    module: nn.Module, *, image_size: Literal[8, 28], mesh: Any
+) -> tuple[Any, Callable[[], Any], Callable[..., Any]]:
+    """The digits at ``image_size``, a fresh-state maker (SGD with momentum, seed 0) and
+    the jitted train step of ``module`` on ``mesh``: what every candidate shares."""
+    import jax.numpy as jnp
+    import optax
+
+    from meshkit import data, train
+
+    source = data.digits("train", image_size=image_size)
+    model = train.linen_model(module, jnp.zeros((1, image_size, image_size, 1)))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def fresh_state() -> Any:
+        return train.create_train_state(model, tx, mesh, seed=0)
+
+    step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(fresh_state()),
+        meshkit.batch_sharding(mesh),
+    )
+    return source, fresh_state, step

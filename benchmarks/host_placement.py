@@ -30,8 +30,15 @@ from typing import Any, Literal  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks._harness import Measured, fit_once, interleave, report, save  # noqa: E402
-from benchmarks.fit_overhead import TinyMLP, digits_classifier  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    Measured,
+    TinyMLP,
+    digits_classifier,
+    fit_once,
+    interleave,
+    report,
+    save,
+)
 from meshkit import data  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 

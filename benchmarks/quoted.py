@@ -191,74 +191,29 @@ def sweep_best_settings(run: dict[str, Any]) -> str:
     )
 
 
-_FIT_COLUMNS = {
-    "fit": "`fit` host (the default before resident data)",
-    "fit resident": "resident, N=1",
-    "fit resident N=8": "N=8",
-    "fit resident N=32": "N=32",
-    "fit resident N=auto": "`'auto'` (what it chose)",
-    "fit resident N=auto, measured before": "`'auto'`, measured by an earlier run",
-}
-
-
-def _chosen(descriptions: list[str]) -> str:
-    """``16`` or ``1, 16``: the steps per dispatch ``'auto'`` chose over a case's rounds."""
-    sizes = sorted({int(re.match(r"\d+", text)[0]) for text in descriptions})  # type: ignore[index]
-    return ", ".join(map(str, sizes))
-
-
 def fit_overhead_table(run: dict[str, Any]) -> str:
-    """Every case's rates against the bare per-step loop, from totals (compiles, auto's
-    probe and its choice all inside the timed rounds)."""
+    """Each case: the bare loop's and ``fit``'s median seconds (fresh processes, timed from
+    outside, compiles included), ``fit`` / bare as rates from totals, what ``'auto'``
+    chose, and the size it did not choose."""
     rows = []
     for case in run["cases"]:
-        over = case["over_bare"]
-        best = max(over[name] for name in _FIT_COLUMNS if name in over)
-        cells = [case["title"]]
-        for name in _FIT_COLUMNS:
-            if name not in over:
-                cells.append("-")
-                continue
-            text = f"{over[name]:.2f}×"
-            text = f"**{text}**" if over[name] == best else text
-            if name == "fit resident N=auto":
-                text += f" ({_chosen(case['auto_chose'])})"  # every auto run of the case
-            cells.append(text)
-        rows.append(cells)
-    header = ["case", *_FIT_COLUMNS.values()]
-    return _table(header, ["left"] + ["right"] * len(_FIT_COLUMNS), rows)
-
-
-def fit_overhead_host_table(run: dict[str, Any]) -> str:
-    """The host-input cases: the bare step, a hand loop that places each batch, and
-    ``fit``, in steps per second and as ratios (from totals)."""
-    rows = []
-    for case in run["cases"]:
-        rates = case.get("steps_per_second", {})  # the ensemble cases have no hand loop
-        if "gather + device_put" not in rates:
-            continue
+        median, over = case["median_seconds"], case["over_bare"]
+        auto = "fit, 'auto'"
+        fixed = next(label for label in median if label.startswith("fit, N="))
+        chose = ", ".join(str(n) for n in case["auto_chose"])
         rows.append(
             [
-                case["title"],
-                f"{rates['bare step']:,.0f}",
-                f"{rates['gather + device_put']:,.0f}",
-                f"**{rates['fit']:,.0f}**",
-                f"{case['fit_over_gather_and_put']:.2f}",
-                f"{case['fit_over_bare']:.2f}",
+                case["case"],
+                f"{median['bare loop']:.2f} s",
+                f"{median[auto]:.2f} s",
+                f"**{over[auto]:.2f}×**",
+                chose,
+                f"{over[fixed]:.2f}× ({fixed.removeprefix('fit, ')})",
             ]
         )
-    header = ["case", "bare step, steps/s", "gather + `device_put`", "`fit`"]
-    header += ["fit / gather + put", "fit / bare"]
+    header = ["case", "bare loop", "`fit`, `'auto'`", "`fit` / bare", "`'auto'` chose"]
+    header += ["the other size / bare"]
     return _table(header, ["left"] + ["right"] * 5, rows)
-
-
-def fit_overhead_ensemble_over_fit(run: dict[str, Any]) -> str:
-    """How much faster the ensemble of tiny MLPs on 8 devices trains with resident data
-    and ``'auto'`` than with ``fit``'s host input, in the same run."""
-    case = next(
-        c for c in run["cases"] if c["title"].startswith("ensemble") and "8 device(s)" in c["title"]
-    )
-    return f"{case['over_fit']['fit resident N=auto']:.2f}"
 
 
 def host_placement_table(run: dict[str, Any]) -> str:
@@ -715,9 +670,10 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "sweep.versions": ("sweep", sweep_versions),
     "sweep.best_settings": ("sweep", sweep_best_settings),
     "fit_overhead.table": ("fit_overhead", fit_overhead_table),
-    "fit_overhead.host_table": ("fit_overhead", fit_overhead_host_table),
-    "fit_overhead.ensemble_over_fit": ("fit_overhead", fit_overhead_ensemble_over_fit),
-    "fit_overhead.versions": ("fit_overhead", versions_and_devices),
+    "fit_overhead.versions": (
+        "fit_overhead",
+        lambda run: f"{_versions(run['environment'])}, {run['environment']['platform'].upper()}",
+    ),
     "host_placement.table": ("host_placement", host_placement_table),
     "ensemble.table": ("ensemble", ensemble_table),
     "ensemble.summary": ("ensemble", ensemble_summary),

@@ -109,7 +109,7 @@ def add_input_options(
     """Adds ``--input`` (``resident``: the dataset on the devices, batches gathered there;
     ``host``: each batch copied from the host; default ``default_input``, ``None`` for a
     recipe that decides after parsing, saying how in ``input_help``) and
-    ``--steps-per-dispatch`` (a number, or ``auto``: measured at the start of the run;
+    ``--steps-per-dispatch`` (a number, or ``auto``: calibrated at the start of the run;
     default ``steps_per_dispatch``)."""
     parser.add_argument(
         "--input",
@@ -124,8 +124,8 @@ def add_input_options(
         type=_steps_per_dispatch,
         default=steps_per_dispatch,
         metavar="N|auto",
-        help="training steps run by one compiled program; auto: the fewest that make the "
-        "dispatch overhead small, measured at the start",
+        help="training steps each call of the step program runs; auto: 1, or a probed "
+        "chunk where it measured faster at the start of the run",
     )
 
 

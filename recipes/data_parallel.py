@@ -30,7 +30,8 @@ The training set lives on the devices (``--input resident``: each batch is gathe
 there by index, the same batches as ``--input host``) and the steps run several per
 compiled program (``--steps-per-dispatch auto``); the summary's ``input`` says which
 layout and how many steps, e.g. ``"resident (replicated, 4.3 MiB per device), 1 step
-per dispatch (auto: 30 ms per step, its dispatch under 3% of it)"`` on 8 CPU devices,
+per dispatch (auto: 30 ms per step; a chunk of it would be written out step by step on a
+CPU, so none was timed)"`` on 8 CPU devices,
 many steps on an accelerator.
 
 Rerunning with the same ``--workdir`` resumes from its last checkpoint. A SIGTERM saves

@@ -14,7 +14,8 @@ the input reached the devices::
 
     {"model": "resnet18", "steps": 240, "test_accuracy": 0.97..., "images_per_second_per_host":
      667.9..., "input_wait_fraction": 0.004..., "input": "resident (replicated, 4.2 MiB per
-     device), 1 step per dispatch (auto: 201 ms per step, its dispatch under 3% of it)", ...}
+     device), 1 step per dispatch (auto: 201 ms per step; a chunk of it would be written
+     out step by step on a CPU, so none was timed)", ...}
 
 Every training image is decoded from its JPEG bytes, randomly cropped and resized
 (Inception-style), flipped (not for digits: a mirrored 2 is not a 2) and normalised.

@@ -58,7 +58,7 @@ CHUNKS = (1, 4, 3, 3, 2, 4, 4)
 
 def chunk_stream(placement: str) -> list[dict[str, np.ndarray]]:
     """Chunks of several sizes as ``fit``'s host feed stacks them."""
-    from meshkit.train._feeds import HostChunks
+    from meshkit.data._feed import Feed
 
     pipeline = TrainPipeline(
         source(),
@@ -67,9 +67,9 @@ def chunk_stream(placement: str) -> list[dict[str, np.ndarray]]:
         seed=11,
         input_settings=InputSettings(placement=placement),  # type: ignore[arg-type]
     )
-    feed = HostChunks(pipeline)
+    feed = Feed(pipeline, largest=max(CHUNKS))
     try:
-        return [meshkit.to_host(feed.next_chunk(n)[1]) for n in CHUNKS]
+        return [meshkit.to_host(feed.next(n)[1]) for n in CHUNKS]
     finally:
         feed.close()
 

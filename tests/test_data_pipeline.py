@@ -356,20 +356,10 @@ def test_a_transform_that_maps_labels_out_of_the_classes_names_the_example(threa
     assert not any("Grain" in note for note in getattr(info.value, "__notes__", []))
 
 
-def test_the_old_input_keywords_warn_and_build_the_same_pipeline():
+def test_unknown_input_keywords_and_settings_that_are_not_input_settings_are_refused():
     source = make_source()
-    new = pipeline(
-        source, transform=jitter, input_settings=InputSettings(num_threads=3, prefetch=2)
-    )
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"input_settings=InputSettings\(num_threads=\.\.\., prefetch=\.\.\.\)",
-    ):
-        old = pipeline(source, transform=jitter, num_threads=3, prefetch=2)
-    assert old.input_settings == new.input_settings
-    assert (old.num_threads, old.prefetch) == (3, 2)
-    with pytest.raises(TypeError, match="got both input_settings= and resident="):
-        pipeline(source, input_settings=InputSettings(), resident=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_threads'"):
+        pipeline(source, num_threads=2)  # the keyword of earlier releases is gone
     with pytest.raises(TypeError, match="unexpected keyword argument 'threads'"):
         pipeline(source, threads=2)
     with pytest.raises(

@@ -220,27 +220,9 @@ def test_wandb_writer_logs_offline_runs(tmp_path, monkeypatch):
     ]
 
 
-def test_the_keywords_of_earlier_releases_still_work_with_a_warning(tmp_path):
-    new_form = (
-        r"fit\(checkpoint_every=..., keep_checkpoints=...\) is deprecated and will be removed in "
-        r"meshkit 0\.2\.0.*"
-        r"pass checkpoints=Checkpoints\(every=..., keep=...\)"
-    )
-    with pytest.warns(DeprecationWarning, match=new_form):
-        result = run_fit(tmp_path, num_steps=10, checkpoint_every=4, keep_checkpoints=2)
-    assert result.step == 10
-    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [8, 10]
-
-
-def test_fit_refuses_unknown_keywords_and_an_old_keyword_beside_its_object(tmp_path):
-    with pytest.raises(TypeError, match=r"keyword argument 'checkpoint_evry'.*checkpoints"):
-        run_fit(tmp_path, checkpoint_evry=10)
-    # run_fit passes logging=Logging(...): log_every= beside it is ambiguous
-    mixed = r"both logging= and log_every=.*Pass only logging=Logging\(every=...\)"
-    with pytest.raises(TypeError, match=mixed):
-        run_fit(tmp_path, log_every=5)
-    with pytest.raises(TypeError, match=r"fit\(eval_every=...\) has no eval_pipeline="):
-        train.fit(None, None, None, num_steps=1, workdir=tmp_path, eval_every=5)  # pyright: ignore[reportArgumentType]
+def test_fit_refuses_unknown_keywords_by_name(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'checkpoint_every'"):
+        run_fit(tmp_path, checkpoint_every=10)  # the keyword of earlier releases is gone
     assert not (tmp_path / "checkpoints").exists()  # refused before any work
 
 

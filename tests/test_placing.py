@@ -19,7 +19,7 @@ import pytest
 import meshkit
 from meshkit import data
 from meshkit.data._ahead import PlacedAhead, places_in_thread
-from meshkit.train._feeds import HostChunks
+from meshkit.data._feed import Feed
 from tests.test_resident import assert_bit_identical
 
 STEPS = 9  # three epochs of 50 examples at batch 16
@@ -71,17 +71,15 @@ def test_a_placing_thread_gives_the_loops_batches_and_data_state():
 
 
 def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps():
-    """Chunks of several sizes equal the loop's stacks: the thread builds the size last
-    asked for, a chunk of another size cuts or joins what it built, and the thread's
-    chunks realign with the loop's (nothing left over once the size stays put)."""
+    """Chunks of several sizes equal the loop's stacks: the thread places batches one by
+    one, and a chunk joins as many on the devices."""
     sizes = (1, 4, 3, 3, 2, 4, 4, 4, 4)
     chunks = {}
     for placement in ("loop", "thread"):
-        feed = HostChunks(pipeline(placement))
+        feed = Feed(pipeline(placement), largest=4)
         try:
-            chunks[placement] = [meshkit.to_host(feed.next_chunk(n)[1]) for n in sizes]
+            chunks[placement] = [meshkit.to_host(feed.next(n)[1]) for n in sizes]
             assert feed.state()["step"] == sum(sizes)
-            assert feed._rest is None
         finally:
             feed.close()
         assert feed.describe() == ("host, placed by a thread" if placement == "thread" else "host")
@@ -152,8 +150,8 @@ def test_a_feed_dropped_without_closing_ends_its_thread():
     """Nothing the placing thread runs refers to its owner, so dropping the owner ends it."""
     batches = data.GlobalBatchIterator(pipeline("thread"))
     next(batches)
-    feed = HostChunks(pipeline("thread"))
-    feed.next_chunk(2)
+    feed = Feed(pipeline("thread"), largest=2)
+    feed.next(2)
     assert len(placing_threads()) == 2
     del batches, feed
     gc.collect()

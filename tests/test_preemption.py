@@ -6,6 +6,7 @@ import os
 import signal
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -134,3 +135,53 @@ def test_a_second_ctrl_c_stops_fit_at_once_in_a_few_lines(tmp_path, at, said):
     assert info.traceback[-1].name == "fit"
     assert sorted(int(path.name) for path in checkpoints.iterdir()) == ([5] if at > 5 else [])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigterm_inside_a_chunk_saves_after_it_and_the_rerun_is_bit_exact(tmp_path):
+    """The signal arrives while chunks of 8 steps are queued (the hook reads step 12's log
+    line when its chunk leaves the queue); the run saves at the end of the chunk under
+    way, between checkpoint periods, and a rerun with the same arguments ends with the
+    bits of a run never interrupted."""
+    _, _, host = tiny_run()
+    mesh = meshkit.make_mesh("data=-1")
+    pipeline = data.TrainPipeline(
+        host.source,
+        global_batch_size=16,
+        sharding=host.sharding,
+        input_settings=data.InputSettings(resident=True),
+    )
+    model, tx = train.linen_model(nn.Dense(2), jnp.zeros((1, 4))), optax.sgd(0.1)
+    step = train.make_train_step(
+        train.classification_loss,
+        train.state_shardings_of(train.create_train_state(model, tx, mesh)),
+        host.sharding,
+    )
+    settings = {
+        "num_steps": 64,
+        "checkpoints": train.Checkpoints(every=32),
+        "logging": train.Logging(every=4, progress=False),
+        "dispatch": train.Dispatch(steps_per_dispatch=8),
+    }
+
+    def fit(workdir, hooks=()):
+        state = train.create_train_state(model, tx, mesh)
+        return train.fit(state, step, pipeline, workdir=workdir, hooks=hooks, **settings)
+
+    def sigterm_at_step_12(boundary: train.Boundary) -> bool:
+        if boundary.kind == "log" and boundary.step == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    straight = fit(tmp_path / "straight")
+    stopped = fit(tmp_path / "run", hooks=[sigterm_at_step_12])
+    assert stopped.preempted and stopped.step % 8 == 0 and stopped.step % 32 != 0
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved[-1] == stopped.step
+    resumed = fit(tmp_path / "run")
+    assert resumed.resumed_from == stopped.step and resumed.step == 64
+    for got, expected in zip(
+        jax.tree.leaves(meshkit.to_host(resumed.state.params)),
+        jax.tree.leaves(meshkit.to_host(straight.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, expected)

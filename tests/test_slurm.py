@@ -33,7 +33,7 @@ from slurm_cluster import SlurmCluster, unavailable
 from test_failures_processes import TRAIN
 
 from meshkit.testing._files import write_cifar10
-from meshkit.train._chunks import MAX_UNROLLED_AUTO_STEPS
+from meshkit.train._chunks import MAX_PROBE_STEPS
 
 pytestmark = pytest.mark.slurm
 
@@ -318,7 +318,7 @@ def test_the_time_limit_warning_usr1_saves_and_requeues(cluster: SlurmCluster, t
     assert len(stops) >= 2 and len(set(stops)) == 1, out[-4000:]
     # The agreed step may fall inside a dispatch of several steps: the save follows it.
     saved = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert int(stops[0]) <= saved < int(stops[0]) + MAX_UNROLLED_AUTO_STEPS, (stops, saved)
+    assert int(stops[0]) <= saved < int(stops[0]) + MAX_PROBE_STEPS, (stops, saved)
     assert "Exited with exit code 75" in out
 
 

@@ -297,6 +297,22 @@ def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
     assert resumed.resumed_from == 5 and resumed.step == 10
 
 
+@pytest.mark.once
+def test_a_second_create_train_state_compiles_nothing_and_seeds_still_differ():
+    mesh = meshkit.make_mesh("data=-1")
+    model = train.linen_model(nn.Dense(3), jnp.zeros((1, 5)))
+    tx = optax.adam(1e-3)
+    train.create_train_state(model, tx, mesh, seed=0)
+    with meshkit.count_compiles() as compiles:
+        again = train.create_train_state(model, tx, mesh, seed=0)
+        other = train.create_train_state(model, tx, mesh, seed=1)
+    assert compiles.count() == 0
+    # the same values as a state initialised from its own key, outside any jit
+    eager = train.init_state_from_key(model, tx, jax.random.key(1))
+    np.testing.assert_array_equal(other.params["kernel"], eager.params["kernel"])
+    assert not np.array_equal(again.params["kernel"], other.params["kernel"])
+
+
 @pytest.mark.parametrize("checkpoint_every", [3, 10])
 def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, checkpoint_every):
     """Step 15 goes bad inside the interval 11-20: found before any later save."""

@@ -187,19 +187,21 @@ class _TinyMLP(nn.Module):
 
 def fit_auto_with_unequal_clocks(workdir: str) -> dict:
     """A 300-step resident run with ``'auto'`` whose processes' clocks disagree: process
-    0's says queuing a step costs 100 times what it does, process 1's a 10,000th, so
-    deciding alone process 1 would keep one step per dispatch while process 0 probes
-    chunks of 50. (Both clocks put the step at a tenth of its time, far from the
-    50 ms above which ``'auto'`` keeps one step whatever queuing costs.)"""
-    from meshkit.train import _chunks
+    0's says a chunk's steps run 10 times faster than they do, process 1's 10 times
+    slower, so deciding alone process 0 would choose chunks and process 1 one step per
+    dispatch."""
+    from meshkit.train import _loop
 
-    timed = _chunks.ChunkSizes.timed
-    queuing_scale = 100.0 if jax.process_index() == 0 else 1e-4
+    timed = _loop._Loop.timed
+    chunk_scale = 0.1 if jax.process_index() == 0 else 10.0
 
-    def skewed(self, steps, seconds, *, queuing, left=None):
-        timed(self, steps, seconds * 0.1, queuing=queuing * queuing_scale, left=left)
+    def skewed(self, steps_per_dispatch, dispatches):
+        seconds = timed(self, steps_per_dispatch, dispatches)
+        if seconds is None or steps_per_dispatch == 1:
+            return seconds
+        return seconds * chunk_scale
 
-    _chunks.ChunkSizes.timed = skewed
+    _loop._Loop.timed = skewed
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
     model = train.linen_model(_TinyMLP(), jnp.zeros((1, 8, 8, 1)))
@@ -231,7 +233,7 @@ def test_processes_choose_one_chunk_size_for_auto_from_the_slowest_measurement(t
     """Chosen apart, one process's chunk program would meet another's single steps."""
     first, second = run_processes(fit_auto_with_unequal_clocks, str(tmp_path), timeout=240)
     assert first["dispatch"] == second["dispatch"]
-    assert "auto:" in first["dispatch"] and " per dispatch, " in first["dispatch"]  # probed
+    assert "auto:" in first["dispatch"] and " at 1 per dispatch, " in first["dispatch"]  # probed
     for a, b in zip(
         jax.tree.leaves(first["params"]), jax.tree.leaves(second["params"]), strict=True
     ):

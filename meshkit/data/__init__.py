@@ -4,8 +4,9 @@ The package has three sides:
 
 - the core, in this package's private modules: the ``Source`` protocol and
   ``ArraySource`` (``_source``), label checks (``_labels``), ``TrainPipeline`` and
-  ``EvalPipeline`` (``_pipeline``) and ``GlobalBatchIterator`` (``_iterator``). It reads
-  any ``Source`` and imports no format.
+  ``EvalPipeline`` (``_pipeline``), and how batches reach the devices: ``fit``'s ``Feed``
+  and its one-step face ``GlobalBatchIterator`` (``_feed``). It reads any ``Source``
+  and imports no format.
 - the formats, in the private subpackage ``_formats``: the readers and writers of
   data on disk (ArrayRecord, encoded image records, image folders, MNIST and CIFAR
   files, TFDS) and the built-in data sets (digits, synthetic, reference text). They
@@ -18,6 +19,7 @@ is the one public face of the core and the formats alike: ``from meshkit.data im
 mnist``.
 """
 
+from meshkit.data._feed import GlobalBatchIterator as GlobalBatchIterator
 from meshkit.data._formats import ArrayRecordSource as ArrayRecordSource
 from meshkit.data._formats import EncodedRecordSource as EncodedRecordSource
 from meshkit.data._formats import TfdsSource as TfdsSource
@@ -38,7 +40,6 @@ from meshkit.data._formats import write_digits_images as write_digits_images
 from meshkit.data._formats import write_image_folder as write_image_folder
 from meshkit.data._formats import write_image_records as write_image_records
 from meshkit.data._input import InputSettings as InputSettings
-from meshkit.data._iterator import GlobalBatchIterator as GlobalBatchIterator
 from meshkit.data._pipeline import EvalPipeline as EvalPipeline
 from meshkit.data._pipeline import EvalTransform as EvalTransform
 from meshkit.data._pipeline import TrainPipeline as TrainPipeline

@@ -101,6 +101,14 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
                 self._finished = True
                 self._changed.notify_all()
 
+    def keep(self, ahead: int) -> None:
+        """Keeps at least ``ahead`` items placed from now on (a chunk of that many steps
+        takes them at once)."""
+        with self._changed:
+            if ahead > self._ahead:
+                self._ahead = ahead
+                self._changed.notify_all()
+
     def __next__(self) -> Placed:
         with self._changed:
             while not self._ready and not self._finished:

@@ -4,24 +4,18 @@ Every pipeline (``TrainPipeline``, ``EvalPipeline``, ``MemberTrainPipeline``) ta
 ``input_settings=InputSettings(...)``. The settings change how fast batches arrive,
 never which examples they hold or in what order: a run's batches are the same with any
 of them. ``meshkit.data.image.input_settings(side)`` returns the measured choice for
-image records. The pipelines' keywords of earlier releases (``num_threads``,
-``prefetch``, ``worker_count``, ``resident``) still work until 0.2.0, with a
-``DeprecationWarning`` naming the new form (``settings_with_deprecated``).
+image records.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from meshkit._checks import check_int
 from meshkit.data._resident import ResidentMode
-
-DEPRECATED_KEYWORDS = ("num_threads", "prefetch", "worker_count", "resident")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,33 +92,11 @@ class InputSettings:
         return f"host ({threads} threads, {self.worker_count} workers{placed})"
 
 
-def settings_with_deprecated(
-    pipeline: str, settings: InputSettings | None, deprecated: Mapping[str, Any]
-) -> InputSettings:
-    """``settings``, or the pipeline keywords of earlier releases folded into one.
-
-    An unknown keyword is a ``TypeError`` naming the valid ones, an old keyword beside
-    ``input_settings=`` is one too (which would win is not obvious), and the old
-    keywords alone warn once with the ``InputSettings(...)`` that replaces them.
-    """
-    unknown = [name for name in deprecated if name not in DEPRECATED_KEYWORDS]
-    if unknown:
-        raise TypeError(f"{pipeline}() got an unexpected keyword argument {unknown[0]!r}.")
+def checked_settings(pipeline: str, settings: InputSettings | None) -> InputSettings:
+    """``settings``, or the defaults; anything else than an ``InputSettings`` is refused."""
     if settings is not None and not isinstance(settings, InputSettings):
         raise TypeError(
             f"{pipeline}(input_settings=...) must be a meshkit.data.InputSettings, got "
             f"{settings!r}. Build one with InputSettings(num_threads=..., resident=...)."
         )
-    if not deprecated:
-        return settings or InputSettings()
-    new = f"input_settings=InputSettings({', '.join(f'{k}=...' for k in deprecated)})"
-    old = ", ".join(f"{name}=..." for name in deprecated)
-    if settings is not None:
-        raise TypeError(f"{pipeline}() got both input_settings= and {old}; pass only {new}.")
-    warnings.warn(
-        f"{pipeline}({old}) is deprecated and will be removed in meshkit 0.2.0 (see "
-        f"CHANGELOG.md); pass {new}.",
-        DeprecationWarning,
-        stacklevel=3,  # the caller of the pipeline's constructor
-    )
-    return InputSettings(**deprecated)
+    return settings or InputSettings()

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
-from meshkit.data._input import InputSettings, settings_with_deprecated
+from meshkit.data._input import InputSettings, checked_settings
 from meshkit.data._labels import check_labels
 from meshkit.data._resident import (
     ResidentData,
@@ -264,9 +264,8 @@ class TrainPipeline(_Pipeline):
         num_epochs: int | None = None,
         shuffle: bool = True,
         input_settings: InputSettings | None = None,
-        **deprecated: Any,
     ):
-        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
+        settings = checked_settings(type(self).__name__, input_settings)
         super().__init__(
             source, global_batch_size, sharding, transform=transform, settings=settings
         )
@@ -537,9 +536,8 @@ class EvalPipeline(_Pipeline):
         sharding: NamedSharding,
         transform: EvalTransform | None = None,
         input_settings: InputSettings | None = None,
-        **deprecated: Any,
     ):
-        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
+        settings = checked_settings(type(self).__name__, input_settings)
         super().__init__(
             source, global_batch_size, sharding, transform=transform, settings=settings
         )

@@ -2,8 +2,9 @@
 
 A small in-memory dataset (the digits, MNIST, CIFAR-10) fits on every accelerator many
 times over. Copying each batch from the host costs more than the step of a small
-model, so a resident pipeline copies the whole dataset once and each step only sends
-the batch's source indices (``int32[rows]``); the rows are gathered on the devices.
+model, so a resident pipeline copies the whole dataset once, and ``fit`` places the
+batches' source indices (``int32[rows]`` a step) for many steps at once; the rows are
+gathered on the devices.
 
 Two layouts, chosen by size against ``resident_limit_bytes`` per device:
 

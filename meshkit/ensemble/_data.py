@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._checks import check_int
 from meshkit.data import InputSettings, Record, Source, TrainPipeline, Transform
-from meshkit.data._input import settings_with_deprecated
+from meshkit.data._input import checked_settings
 
 
 def member_seed(seed: int, index: int) -> int:
@@ -77,9 +77,8 @@ class MemberTrainPipeline(TrainPipeline):
         num_epochs: int | None = None,
         member_seeds: Sequence[int] | None = None,
         input_settings: InputSettings | None = None,
-        **deprecated: Any,
     ):
-        settings = settings_with_deprecated(type(self).__name__, input_settings, deprecated)
+        settings = checked_settings(type(self).__name__, input_settings)
         check_int(num_members, name="num_members", minimum=1)
         if member_seeds is None:
             member_seeds = [member_seed(seed, index) for index in range(num_members)]

@@ -256,6 +256,7 @@ def run_sweep(
         compiles += result.train_step_compiles
         input_path = f"{result.input_path}, {result.dispatch}"
         state = result.state
+        stage_settings["dispatch"] = _calibrated(stage_settings["dispatch"], result)
         if result.preempted or result.stopped_early or result.step < end:
             return SweepResult(
                 trials=trials,
@@ -376,6 +377,13 @@ def describe_decision(
             lines.append(f"step {step}: slot {slot} (trial {trial.id}, {metric} "
                          f"{trial.score():.4f}) stops")  # fmt: skip
     return lines
+
+
+def _calibrated(dispatch: Dispatch | None, result: Any) -> Dispatch | None:
+    """The next stage's dispatch: ``'auto'``'s choice once a stage calibrated it."""
+    if dispatch is None or result.calibration is None:
+        return dispatch
+    return dataclasses.replace(dispatch, steps_per_dispatch=result.steps_per_dispatch)
 
 
 def _fit_stage(

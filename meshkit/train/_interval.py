@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshkit._host import replicated_sharding, to_host
 
@@ -210,8 +210,18 @@ class TracedStep(NamedTuple):
 
 def trace_step(train_step: StepFn, state: Any, batch: Any) -> TracedStep:
     """Traces a jitted ``train_step`` on ``state`` and ``batch`` (arrays or abstract
-    values), running nothing."""
-    traced = train_step.trace(state, batch)  # pyright: ignore[reportFunctionMemberAccess]
+    values), running nothing.
+
+    It is traced on shapes and dtypes alone, as it is when a calling program traces
+    it, so that trace finds this one in JAX's cache instead of tracing it again."""
+    leaves = jax.tree.leaves(state)
+    mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
+    where = None if mesh is None else NamedSharding(mesh.abstract_mesh, PartitionSpec())
+
+    def abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
+
+    traced = train_step.trace(*jax.tree.map(abstract, (state, batch)))  # pyright: ignore[reportFunctionMemberAccess]
     return TracedStep(
         layout=MetricLayout.of(traced.out_info[1]),
         donates_state=any(info.donated for info in jax.tree.leaves(traced.args_info[0][0])),

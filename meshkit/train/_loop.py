@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -21,25 +21,25 @@ from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path, check_store_packages
 from meshkit._runtime import PreemptionWatcher, StallWatch
 from meshkit._types import Batch, Metrics
-from meshkit.data import GlobalBatchIterator, TrainPipeline
+from meshkit.data import TrainPipeline
 from meshkit.train._checkpoint import Checkpointer
-from meshkit.train._chunks import ChunkSizes, boundary_period
-from meshkit.train._feeds import HostChunks, ResidentChunks
+from meshkit.train._chunks import (
+    TIMED_STEPS,
+    WARM_STEPS,
+    Calibration,
+    boundary_period,
+    choose_steps,
+    describe_dispatch,
+    probe_steps,
+)
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
-from meshkit.train._interval import Interval, MetricLayout
+from meshkit.train._interval import Interval
 from meshkit.train._label_diagnosis import labels_outside_classes
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
-from meshkit.train._runners import Chunked, Closed, PerStep
-from meshkit.train._settings import (
-    Checkpoints,
-    Dispatch,
-    Evaluation,
-    FitSettings,
-    Logging,
-    resolve_deprecated,
-)
+from meshkit.train._runners import Closed, PlainSteps, StepProgram, runner
+from meshkit.train._settings import Checkpoints, Dispatch, Evaluation, Logging
 from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
 
@@ -69,7 +69,11 @@ class FitResult:
       input_path: how batches reached the devices: ``"host"``, or ``"resident
         (replicated, 4.5 MiB per device)"``.
       dispatch: how many steps each dispatch ran, and for ``'auto'`` what it measured.
-      steps_per_dispatch: the steps each whole chunk ran (1: one step per dispatch).
+      steps_per_dispatch: the steps each whole chunk ran (1: one step per dispatch);
+        for ``'auto'``, its choice: pass it as ``Dispatch(steps_per_dispatch=...)`` to
+        a later ``fit`` of the same step to skip the calibration.
+      calibration: what ``'auto'`` measured (``None``: a fixed size, or a run too
+        short to measure).
     """
 
     state: TrainState
@@ -87,6 +91,7 @@ class FitResult:
     input_path: str = "host"
     dispatch: str = "1 step per dispatch"
     steps_per_dispatch: int = 1
+    calibration: Calibration | None = None
 
 
 def fit(
@@ -102,7 +107,6 @@ def fit(
     dispatch: Dispatch | None = None,
     hooks: Sequence[Hook] = (),
     start_step: int | None = None,
-    **deprecated: Any,
 ) -> FitResult:
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
 
@@ -153,14 +157,6 @@ def fit(
         ``num_steps=240`` takes 40 more steps. An int overrides ``state.step`` (an
         ensemble whose members are at different steps). A checkpoint in ``workdir``
         overrides both.
-      **deprecated: the keywords of earlier releases (``eval_pipeline``,
-        ``eval_every``, ``per_example_fn``, ``checkpoint_every``, ``keep_checkpoints``,
-        ``checkpoint_dir``, ``log_every``, ``progress``, ``writers``,
-        ``learning_rate``, ``max_in_flight``, ``profile_steps``), accepted with a
-        ``DeprecationWarning`` until meshkit 0.2.0 removes them (CHANGELOG.md).
-
-    Raises:
-      TypeError: an unknown keyword, or an old keyword beside the object that covers it.
 
     Examples:
         >>> import tempfile, jax, jax.numpy as jnp, optax, meshkit
@@ -184,33 +180,15 @@ def fit(
         >>> result.step, result.train_step_compiles
         (4, 1)
     """
-    settings = resolve_deprecated(
-        deprecated,
-        {
-            "evaluation": evaluation,
-            "checkpoints": checkpoints,
-            "logging": logging,
-            "dispatch": dispatch,
-        },
-        valid=_PARAMETERS,
-    )
-    del deprecated, evaluation, checkpoints, logging, dispatch  # use settings' instead
-    _check_steps(num_steps, pipeline)
-    microbatches = getattr(train_step, "microbatches", 1)  # make_train_step's, when known
-    if microbatches > 1:
-        check_microbatch_rows(
-            pipeline.global_batch_size,
-            microbatches,
-            pipeline.sharding,
-            what="The pipeline's global batch has",
-        )
+    checkpoints = checkpoints or Checkpoints()
+    logging = logging or Logging()
+    dispatch = dispatch or Dispatch()
+    _check_steps(num_steps, pipeline, train_step)
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
-    window: InFlight[_Queued] = settings.dispatch.window(mesh)
-    check_store_packages(workdir)
-    workdir = as_path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpointer = settings.checkpoints.checkpointer(workdir)
+    window: InFlight[_Queued] = dispatch.window(mesh)
+    workdir = _open_workdir(workdir)
+    checkpointer = checkpoints.checkpointer(workdir)
     resumed = checkpointer.resume(state)  # the newest intact checkpoint
     data_state = None if resumed is None else resumed.data
     if data_state is None:
@@ -220,42 +198,42 @@ def fit(
             data_state = {"step": first, **pipeline.state_fields()}
     state = state if resumed is None else resumed.state
     start = 0 if data_state is None else int(data_state["step"])
-    records, bar = _open_records(settings.logging, workdir, checkpointer, start, num_steps)
-    profiler = StepProfiler(settings.dispatch.profile_steps, workdir / "profile")
+    records, bar = _open_records(logging, workdir, checkpointer, start, num_steps)
+    profiler = StepProfiler(dispatch.profile_steps, workdir / "profile")
     profiler.check_run(start, num_steps)
-    runner = _runner(train_step, pipeline, data_state, mesh, settings)
-    sizes = ChunkSizes(
-        settings.dispatch.steps_per_dispatch if runner.chunked else 1,
-        boundary_period(
-            settings.checkpoints.every,
-            settings.evaluation.every if settings.evaluation is not None else None,
-        ),
+    setting = dispatch.steps_per_dispatch
+    setting = 1 if setting == "auto" and not hasattr(train_step, "trace") else setting
+    steps_runner = runner(
+        train_step,
+        pipeline,
+        data_state,
+        mesh,
+        log_every=logging.every,
+        largest=_largest(setting, checkpoints, evaluation),
+        chunked=setting != 1,
     )
-    batches = runner.feed
     watcher = PreemptionWatcher()
     loop = _Loop(
         state,
         records,
-        batches,
-        settings.evaluation,
+        steps_runner,
+        evaluation,
         window,
-        log_every=settings.logging.every,
+        log_every=logging.every,
         hooks=hooks,
-        stall=StallWatch(settings.dispatch.stall_timeout),
+        stall=StallWatch(dispatch.stall_timeout),
+        segment=_Segments(checkpoints, evaluation, num_steps, watcher, checkpointer, profiler),
+        start=start,
     )
     began = time.perf_counter()
     try:
         with count_compiles() as compiles:
-            step = loop.run(
-                runner,
-                sizes,
-                watcher,
-                settings.checkpoints,
-                checkpointer,
-                profiler=profiler,
-                start=start,
-                num_steps=num_steps,
-            )
+            calibration = _calibrate(loop) if setting == "auto" else None
+            steps_per_dispatch = setting if calibration is None else choose_steps(calibration)
+            steps_per_dispatch = 1 if steps_per_dispatch == "auto" else steps_per_dispatch
+            loop.run(steps_per_dispatch, num_steps)
+            if start >= num_steps and evaluation is not None:
+                loop.evaluate(loop.step)
         checkpointer.wait()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, saying where, without a traceback
         with contextlib.suppress(Exception):  # through JAX's compiler or the loop's internals
@@ -264,41 +242,75 @@ def fit(
     finally:
         loop.stall.close()
         profiler.stop(loop.state)
-        batches.close()
+        steps_runner.feed.close()
         watcher.close()
         bar.close()
         records.close()
         checkpointer.close()
     return _result(
         loop,
-        step,
         start=start,
         resumed_from=None if resumed is None else resumed.step,
         wall=time.perf_counter() - began,
-        batches=batches,
         train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
-        input_path=runner.describe(),
-        dispatch=sizes.describe(),
-        steps_per_dispatch=sizes.chosen or 1,
+        dispatch=describe_dispatch(steps_per_dispatch, calibration, auto=setting == "auto"),
+        steps_per_dispatch=steps_per_dispatch,
+        calibration=calibration,
     )
 
 
-def _runner(
-    train_step: Callable[..., Any],
-    pipeline: TrainPipeline,
-    data_state: dict[str, Any] | None,
-    mesh: Mesh,
-    settings: FitSettings,
-) -> PerStep | Chunked:
-    """One step per dispatch on host batches, or chunks (several steps, or resident data)."""
-    log_every = settings.logging.every
-    resident = pipeline.resident_mode is not None
-    if not resident and settings.dispatch.steps_per_dispatch == 1:
-        return PerStep(
-            train_step, GlobalBatchIterator(pipeline, state=data_state), mesh, log_every=log_every
-        )
-    feed = ResidentChunks(pipeline, data_state) if resident else HostChunks(pipeline, data_state)
-    return Chunked(train_step, feed, mesh, log_every=log_every)
+def _largest(setting: int | str, checkpoints: Checkpoints, evaluation: Evaluation | None) -> int:
+    """The most steps one dispatch can run: ``setting``, or at least the probe ``'auto'``
+    would time, so that a run given ``'auto'``'s choice runs the same program."""
+    period = boundary_period(checkpoints.every, evaluation.every if evaluation else None)
+    return max(1 if setting == "auto" else int(setting), probe_steps(period))
+
+
+def _calibrate(loop: _Loop) -> Calibration | None:
+    """``'auto'``'s measurement, on the run's first steps: one-step dispatches (the
+    first compiles; the next few each start on idle devices, and the least host time
+    one took is the dispatch's cost; then a group is timed), then two timed chunks of
+    ``probe_steps`` after one that warms up. The chunk is timed where the loop is
+    counted (it runs the program already compiled); on a fixed loop (GPUs), whose
+    chunk is a program of its own, only if a dispatch's host time is more than a
+    sliver of a step; an unrolled chunk (convolutions on CPUs), whose compile grows
+    with its steps, never. ``None`` where the run ends (or stops) before the one-step
+    group is timed.
+
+    Timed groups lie inside one segment between boundaries, so no save or evaluation
+    is timed with them. With several processes every one decides from the slowest
+    figures (a chunk size chosen apart would pair one process's chunk program with
+    another's single steps, whose collectives do not match).
+    """
+    loop.run(1, loop.step + 1)
+    idle = [loop.idle_dispatch() for _ in range(WARM_STEPS)]
+    timed = loop.timed(1, min(TIMED_STEPS, loop.segment.period))
+    if timed is None or None in idle:
+        return None
+    queuing = min(seconds for seconds in idle if seconds is not None)
+    kind = loop.runner.loop
+    measured = _agreed(Calibration(timed, queuing, probe_steps(loop.segment.period), loop=kind))
+    if kind == "unrolled" or (kind == "fixed" and not measured.worth_probing):
+        return measured
+    if loop.timed(measured.probe_steps, 1) is None:  # the probe's first chunk compiles
+        return measured
+    chunk = loop.timed(measured.probe_steps, 2)
+    if chunk is None:
+        return measured
+    return _agreed(dataclasses.replace(measured, chunk=chunk))
+
+
+def _agreed(measured: Calibration) -> Calibration:
+    """``measured`` as the slowest process measured it; this process's own where it is
+    the only one."""
+    if jax.process_count() == 1:
+        return measured
+    mine = np.asarray([measured.one, measured.queuing, measured.chunk or 0.0])
+    slowest = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)
+    chunk = None if measured.chunk is None else float(slowest[2])
+    return dataclasses.replace(
+        measured, one=float(slowest[0]), queuing=float(slowest[1]), chunk=chunk
+    )
 
 
 def _interrupted(loop: _Loop, checkpointer: Checkpointer) -> str:
@@ -348,17 +360,23 @@ def _check_start(first: int, num_steps: int, *, given: bool) -> None:
     )
 
 
-def _room(
-    step: int, num_steps: int, checkpoints: Checkpoints, evaluation: Evaluation | None
-) -> int:
-    """Steps from ``step`` to the next checkpoint, evaluation or the last step."""
-    stop = min(num_steps, (step // checkpoints.every + 1) * checkpoints.every)
-    if evaluation is not None and evaluation.every:
-        stop = min(stop, (step // evaluation.every + 1) * evaluation.every)
-    return stop - step
+def _open_workdir(workdir: PathLike) -> epath.Path:
+    """``workdir`` as a path, made if missing (its store's package checked first)."""
+    check_store_packages(workdir)
+    path = as_path(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def _check_steps(num_steps: int, pipeline: TrainPipeline) -> None:
+def _check_steps(num_steps: int, pipeline: TrainPipeline, train_step: Any) -> None:
+    microbatches = getattr(train_step, "microbatches", 1)  # make_train_step's, when known
+    if microbatches > 1:
+        check_microbatch_rows(
+            pipeline.global_batch_size,
+            microbatches,
+            pipeline.sharding,
+            what="The pipeline's global batch has",
+        )
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
     if pipeline.num_steps is not None and pipeline.num_steps < num_steps:
@@ -386,39 +404,36 @@ def _open_records(
 
 def _result(
     loop: _Loop,
-    step: int,
     *,
     start: int,
     resumed_from: int | None,
     wall: float,
-    batches: GlobalBatchIterator | HostChunks | ResidentChunks,
     train_step_compiles: int,
-    input_path: str,
     dispatch: str,
     steps_per_dispatch: int,
+    calibration: Calibration | None,
 ) -> FitResult:
     """The run's ``FitResult``: its state, step, records and timings."""
-    timed_steps = step - start - 1  # the first step of a run includes its compilation
+    feed = loop.runner.feed
+    timed_steps = loop.step - start - 1  # the first step of a run includes its compilation
     return FitResult(
         state=loop.state,
-        step=step,
+        step=loop.step,
         resumed_from=resumed_from,
         preempted=loop.preempted,
         stopped_early=loop.stop_requested,
         train_metrics=loop.records.last,
         eval_metrics=loop.eval_metrics,
         steps_per_second=timed_steps / loop.elapsed if min(timed_steps, loop.elapsed) > 0 else 0.0,
-        input_wait_fraction=batches.wait_seconds / max(wall - batches.startup_seconds, 1e-9),
-        input_startup_seconds=batches.startup_seconds,
+        input_wait_fraction=feed.wait_seconds / max(wall - feed.startup_seconds, 1e-9),
+        input_startup_seconds=feed.startup_seconds,
         train_step_compiles=train_step_compiles,
         max_in_flight=loop.window.limit,
-        input_path=input_path,
+        input_path=loop.runner.describe(),
         dispatch=dispatch,
         steps_per_dispatch=steps_per_dispatch,
+        calibration=calibration,
     )
-
-
-_PARAMETERS = tuple(inspect.signature(fit).parameters)[:-1]  # all but **deprecated
 
 
 @dataclasses.dataclass
@@ -429,7 +444,30 @@ class _Queued:
     closed: Closed
 
 
-Feed = GlobalBatchIterator | HostChunks | ResidentChunks
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """Where a run's boundaries fall (checkpoints, evaluations, its end), and what is
+    checked at every dispatch's end (preemption, a failed save)."""
+
+    checkpoints: Checkpoints
+    evaluation: Evaluation | None
+    num_steps: int
+    watcher: PreemptionWatcher
+    checkpointer: Checkpointer
+    profiler: StepProfiler
+
+    @property
+    def period(self) -> int:
+        """The steps between boundaries that recur."""
+        every = self.evaluation.every if self.evaluation is not None else None
+        return boundary_period(self.checkpoints.every, every)
+
+    def room(self, step: int) -> int:
+        """Steps from ``step`` to the next checkpoint, evaluation or the last step."""
+        stop = min(self.num_steps, (step // self.checkpoints.every + 1) * self.checkpoints.every)
+        if self.evaluation is not None and self.evaluation.every:
+            stop = min(stop, (step // self.evaluation.every + 1) * self.evaluation.every)
+        return stop - step
 
 
 class _Loop:
@@ -440,22 +478,26 @@ class _Loop:
         self,
         state: TrainState,
         records: Records,
-        batches: Feed,
+        runner: StepProgram | PlainSteps,
         evaluation: Evaluation | None,
         window: InFlight[_Queued],
         *,
         log_every: int,
         hooks: Sequence[Hook],
         stall: StallWatch,
+        segment: _Segments,
+        start: int,
     ):
         self.state = state
         self.stall = stall
         self.records = records
-        self.batches = batches
+        self.runner = runner
         self.evaluation = evaluation
         self.window = window
         self.log_every = log_every
         self.hooks = tuple(hooks)
+        self.segment = segment
+        self.step = start  # the last step taken
         self.eval_metrics: dict[str, float] = {}
         self.preempted = False
         self.at = 0  # the first step of the dispatch being taken (or compiled)
@@ -463,117 +505,96 @@ class _Loop:
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
-        self.queuing_seconds = 0.0  # host time building and queuing dispatches
-        self._layout: MetricLayout | None = None
+        self.queuing_seconds = 0.0  # host time building and queuing dispatches, summed
+        self._interval: Interval | None = None  # the log line under way, on the devices
+        self._pending = 0  # steps since the last log line (in ``_interval``)
+        self._checked = start  # the last step reported to the preemption watcher
+        self._drained_at: float | None = None  # when the last boundary found every step done
 
-    def run(
-        self,
-        runner: PerStep | Chunked,
-        sizes: ChunkSizes,
-        watcher: PreemptionWatcher,
-        checkpoints: Checkpoints,
-        checkpointer: Checkpointer,
-        *,
-        profiler: StepProfiler,
-        start: int,
-        num_steps: int,
-    ) -> int:
-        """Runs steps ``start + 1 .. num_steps``; returns the last step taken.
+    @property
+    def stopped(self) -> bool:
+        """Whether the run ended early: preempted, or a hook asked it to stop."""
+        return self.preempted or self.stop_requested
 
-        Steps go in dispatches of ``sizes``'s choosing, cut at every checkpoint and
-        evaluation boundary; preemption, a failed save and a hook's stop are checked
-        after each dispatch.
-        """
-        step = start
-        interval: Interval | None = None
-        pending = 0  # steps since the last log line (in ``interval``)
-        began = 0.0  # when the timed group under way began
-        checked = start  # the last step reported to the preemption watcher
-        evaluation = self.evaluation
-        while step < num_steps:
-            room = _room(step, num_steps, checkpoints, evaluation)
-            group = sizes.timing_group(room) if interval is not None else None
-            plan = [group[1]] * group[0] if group else [1 if interval is None else sizes.next(room)]
-            if group:
-                jax.block_until_ready(self.state)
-                began, self.queuing_seconds = time.perf_counter(), 0.0
-            traced_now = interval is None  # the run's first dispatch traces the step
-            dispatched = time.perf_counter()
-            for steps in plan:
-                interval, closed = self._dispatch(runner, interval, step, steps, profiler)
-                step += steps
-                pending = step - closed.at[-1][1] if closed.at else pending + steps
-                if not group:
-                    sizes.ran(steps)
-            took = time.perf_counter() - dispatched
-            if traced_now:  # waited for: its time is mostly the step's compile
-                sizes.first_dispatch(
-                    took,
-                    unrolled=runner.unrolled,
-                    key=getattr(runner, "step_key", None),
-                    left=num_steps - step,
-                )
-            elif not group:
-                sizes.dispatch_took(plan[0], took)
-            if group:
-                jax.block_until_ready(self.state)
-                seconds = time.perf_counter() - began
-                sizes.timed(sum(plan), seconds, queuing=self.queuing_seconds, left=num_steps - step)
-            last = step == num_steps
-            evaluate = evaluation is not None and evaluation.due(step, last=last)
-            self.preempted = watcher.reached(step, steps=step - checked)
-            checked = step
-            stop = self.preempted or self.stop_requested
-            checkpointer.check(step)  # a save that failed in the background stops the run
-            save = checkpoints.due(step, last=last, stopping=stop)
+    def run(self, steps_per_dispatch: int, until: int) -> None:
+        """Runs steps up to ``until`` (at most the run's last), ``steps_per_dispatch`` per
+        dispatch, cut at every checkpoint and evaluation boundary (where fewer steps are
+        left before one, one per dispatch); preemption, a failed save and a hook's stop
+        are checked after each dispatch."""
+        segment = self.segment
+        until = min(until, segment.num_steps)
+        while self.step < until and not self.stopped:
+            room = min(segment.room(self.step), until - self.step)
+            self._dispatch(steps_per_dispatch if room >= steps_per_dispatch else 1)
+            step = self.step
+            last = step == segment.num_steps
+            evaluate = self.evaluation is not None and self.evaluation.due(step, last=last)
+            self.preempted = segment.watcher.reached(step, steps=step - self._checked)
+            self._checked = step
+            segment.checkpointer.check(step)  # a save that failed in the background stops it
+            save = segment.checkpoints.due(step, last=last, stopping=self.stopped)
             if save or evaluate:
-                assert interval is not None
-                carried = Closed(interval, [(None, step)] if pending else [])
-                self._boundary(step, carried, checkpointer if save else None, evaluate=evaluate)
-                interval, pending = runner.zeros, 0
-                if stop:
-                    break
-        if start >= num_steps and self.evaluation is not None:
-            self.evaluate(step)
-        return step
+                self._boundary(step, segment.checkpointer if save else None, evaluate=evaluate)
+            if self.stop_requested and not save:  # a hook at this boundary: save here
+                self._boundary(step, segment.checkpointer, evaluate=False)
 
-    def _dispatch(
-        self,
-        runner: PerStep | Chunked,
-        interval: Interval | None,
-        step: int,
-        steps: int,
-        profiler: StepProfiler,
-    ) -> tuple[Interval, Closed]:
+    def idle_dispatch(self) -> float | None:
+        """Runs one step on idle devices; returns the host's seconds building and
+        queuing it (nothing queued before it to wait for), or ``None`` where the run
+        ended or stopped first."""
+        if self.stopped or self.step >= self.segment.num_steps:
+            return None
+        jax.block_until_ready(self.state)
+        self.queuing_seconds = 0.0
+        self.run(1, self.step + 1)
+        return self.queuing_seconds
+
+    def timed(self, steps_per_dispatch: int, dispatches: int) -> float | None:
+        """Runs ``dispatches`` dispatches of ``steps_per_dispatch`` steps inside one
+        segment, after running up to the next boundary where this one has too little
+        room left; returns their seconds per step (wall, up to the devices' last
+        step), or ``None`` where the run ended or stopped first. A boundary the group
+        ends at is not timed."""
+        steps = steps_per_dispatch * dispatches
+        if self.segment.room(self.step) < steps:
+            self.run(1, self.step + self.segment.room(self.step))
+        if self.stopped or self.segment.room(self.step) < steps:
+            return None
+        jax.block_until_ready(self.state)
+        began, self._drained_at = time.perf_counter(), None
+        self.run(steps_per_dispatch, self.step + steps)
+        if self._drained_at is None:  # no boundary: wait for the devices here
+            jax.block_until_ready(self.state)
+            self._drained_at = time.perf_counter()
+        return (self._drained_at - began) / steps
+
+    def _dispatch(self, steps: int) -> None:
         """Queues steps ``step + 1 .. step + steps`` as one dispatch (the first one of the
         run compiles, and is waited for)."""
-        first = step + 1
+        runner, profiler = self.runner, self.segment.profiler
+        first = self.step + 1
         self.at = first
         profiler.before(first, first + steps - 1)
         with jax.profiler.StepTraceAnnotation("train", step_num=first):
-            if interval is not None:
+            compiling = self._interval is None
+            if not compiling:
                 self.stall.enter("input", first)
             queuing = time.perf_counter()
             inputs = runner.fetch(steps)
-            if interval is not None:
+            if not compiling:
                 self.stall.enter("devices", first)
-            compiling = interval is None
             self.state, interval, closed = runner.dispatch(
-                self.state, interval, inputs, first, steps
+                self.state, self._interval, inputs, first, steps
             )
             self.queuing_seconds += time.perf_counter() - queuing
             if compiling:
-                self._layout = runner.layout
                 jax.block_until_ready(interval)  # the first step includes the compile
                 self._first_done = time.perf_counter()
-        profiler.after(step + steps, self.state)
-        self._push(step + steps, closed, interval)
-        return interval, closed
-
-    def _push(self, step: int, closed: Closed, interval: Interval) -> None:
-        """Queues a dispatch (done when its interval is); settles the ones that left the
-        queue."""
-        for queued in self.window.push(_Queued(step, closed), interval.steps):
+        self.step += steps
+        self._interval = interval
+        self._pending = self.step - closed.at[-1][1] if closed.at else self._pending + steps
+        profiler.after(self.step, self.state)
+        for queued in self.window.push(_Queued(self.step, closed), interval.steps):
             self._settle(queued)
 
     @property
@@ -581,23 +602,20 @@ class _Loop:
         """Whether the first step (with the compilation) has not finished yet."""
         return self._first_done == 0.0
 
-    def _boundary(
-        self,
-        step: int,
-        carried: Closed,
-        checkpointer: Checkpointer | None,
-        *,
-        evaluate: bool,
-    ) -> None:
+    def _boundary(self, step: int, checkpointer: Checkpointer | None, *, evaluate: bool) -> None:
         """Checks every step so far, then saves and/or evaluates the state after ``step``."""
+        assert self._interval is not None
         for queued in self.window.drain():
             self._settle(queued)
+        carried = Closed(self._interval, [(None, step)] if self._pending else [])
         self._settle(_Queued(step, carried))
+        self._drained_at = time.perf_counter()  # every step so far is done
+        self._interval, self._pending = self.runner.zeros, 0
         self.stall.pause()  # saves and evaluations may take long; the next step re-arms
         done = time.perf_counter()
         self.elapsed = done - self._first_done - self._paused
         if checkpointer is not None:
-            checkpointer.save(step, self.state, self.batches.state(), force=True)
+            checkpointer.save(step, self.state, self.runner.feed.state(), force=True)
             self._call_hooks("checkpoint", step, {})
         if evaluate:
             self.evaluate(step)
@@ -607,12 +625,11 @@ class _Loop:
         """Reads (and checks) the log lines a finished dispatch closed."""
         if not queued.closed.at:
             return
-        assert self._layout is not None
-        for read in queued.closed.reads(self._layout):
+        for read in queued.closed.reads(self.runner.layout):
             values = self.records.interval(
                 read,
                 paused=self._paused,
-                input_wait=self.batches.wait_seconds,
+                input_wait=self.runner.feed.wait_seconds,
                 diagnose=self._diagnose,
             )
             self._call_hooks("log", read.last, values)
@@ -620,7 +637,7 @@ class _Loop:
     def _diagnose(self, step: int) -> str | None:
         """The cause of step ``step``'s non-finite loss, when a label explains it (the
         step read the batch of data step ``step - 1``)."""
-        return labels_outside_classes(self.state, self.batches.pipeline, step - 1)
+        return labels_outside_classes(self.state, self.runner.feed.pipeline, step - 1)
 
     def evaluate(self, step: int) -> None:
         assert self.evaluation is not None

@@ -1,13 +1,14 @@
-"""The two ways ``fit`` dispatches steps, behind one interface.
+"""How ``fit`` runs its steps, behind one interface.
 
-- ``PerStep``: one program per step on host batches (``MetricSums``): works for any
-  train step, jitted or plain Python.
-- ``Chunked``: ``n`` steps per program (``chunk_program``), on stacked host batches or
-  on indices into resident data; needs a jitted train step.
+- ``StepProgram``: a jitted (traceable) train step, ``n`` steps per program
+  (``chunk_program``; ``n = 1`` is one step per dispatch) from a ``Feed``: host
+  batches or resident data.
+- ``PlainSteps``: a train step written as plain Python (host logic between jitted
+  calls), one call per step on host batches, its metrics summed by ``MetricSums``.
 
-Each one ``fetch``es a chunk's input and ``dispatch``es it, returning the state, the
-running interval and the log intervals that closed in the chunk (``Closed``, read on
-the host when the chunk has left the queue).
+Each one ``fetch``es a dispatch's input and ``dispatch``es it, returning the state,
+the running interval and the log intervals that closed in it (``Closed``, read on the
+host when the dispatch has left the queue).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from jax.sharding import Mesh
 
 from meshkit._host import to_host
 from meshkit.data import GlobalBatchIterator
-from meshkit.train._chunks import chunk_program, unrolls_chunks
-from meshkit.train._feeds import HostChunks, ResidentChunks
+from meshkit.data._feed import Feed
+from meshkit.train._chunks import Loop, at, chunk_program, loop_for
 from meshkit.train._interval import (
     Interval,
     IntervalRead,
     MetricLayout,
     MetricSums,
+    TracedStep,
     read_interval,
     trace_step,
     zero_interval,
@@ -63,17 +65,10 @@ class Closed:
             yield read_interval(layout, interval, step)
 
 
-def _avals(tree: Any) -> tuple[Any, ...]:
-    """The structure, shapes, types and shardings of ``tree``'s leaves: hashable."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, *((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves)
+class PlainSteps:
+    """One call per step of a plain-Python train step, on host batches placed ahead."""
 
-
-class PerStep:
-    """One dispatch per step, host batches placed ahead by a ``GlobalBatchIterator``."""
-
-    chunked = False
-    unrolled = False
+    loop: Loop = "fixed"
 
     def __init__(
         self,
@@ -120,81 +115,83 @@ class PerStep:
         return "host, placed by a thread" if self.feed.in_thread else "host"
 
 
-class Chunked:
-    """``steps`` steps per dispatch (``chunk_program``) from a chunk feed."""
+class StepProgram:
+    """``steps`` steps of a jitted train step per dispatch (``chunk_program``), from a ``Feed``.
 
-    chunked = True
+    One program runs every dispatch of at most ``largest`` steps (its trip count is an
+    argument), or one per number of steps where the loop is fixed (``loop_for``)."""
 
     def __init__(
         self,
         train_step: Callable[..., Any],
-        feed: HostChunks | ResidentChunks,
+        feed: Feed,
         mesh: Mesh,
         *,
         log_every: int,
+        largest: int,
     ):
-        if not hasattr(train_step, "trace"):
-            raise TypeError(
-                "Several steps per dispatch and resident data need a jitted train step "
-                f"(make_train_step, or jax.jit of your own), got {train_step!r}. Pass "
-                "Dispatch(steps_per_dispatch=1) and a pipeline with resident=False to run "
-                "a plain-Python step."
-            )
         self.train_step = train_step
+        self.largest = largest
         self.feed = feed
         self.mesh = mesh
         self.log_every = log_every
-        self._program: Callable[..., Any] | None = None
-        self.unrolled = False  # known once the step is traced (its first dispatch)
-        self._layout: MetricLayout | None = None
+        self._programs: dict[int, Callable[..., Any]] = {}
+        self._traced: TracedStep | None = None
         self._zeros: Interval | None = None
-        self.step_key: Any = None
-        """The compiled step and what it runs on (known once built): ``'auto'``'s record
-        of its measurement is kept under this key."""
+        self.loop: Loop = "counted"
+        """How its programs loop over steps (known once the step is traced: ``loop_for``)."""
 
-    def fetch(self, steps: int) -> tuple[Any, Any]:
-        return self.feed.next_chunk(steps)
+    def fetch(self, steps: int) -> tuple[Any, Any, int]:
+        return self.feed.next(steps)
 
     def dispatch(
-        self, state: Any, interval: Interval | None, inputs: tuple[Any, Any], first: int, steps: int
+        self,
+        state: Any,
+        interval: Interval | None,
+        inputs: tuple[Any, Any, int],
+        first: int,
+        steps: int,
     ) -> tuple[Any, Interval, Closed]:
-        data, xs = inputs
-        program = self._program or self._build(state, data, xs)
+        data, xs, offset = inputs
+        key = 0 if self.loop == "counted" else steps
+        program = self._programs.get(key) or self._build(state, data, xs, steps)
         start = self.zeros if interval is None else interval
-        state, carried, rows = program(state, start, data, xs, first)
-        at: list[tuple[int | None, int]] = [
+        state, carried, rows = program(state, start, data, xs, at(offset, first, steps))
+        closing: list[tuple[int | None, int]] = [
             (step - first, step)
             for step in range(first, first + steps)
             if step % self.log_every == 0
         ]
-        return state, carried, Closed(rows, at)
+        return state, carried, Closed(rows, closing)
 
-    def _build(self, state: Any, data: Any, xs: Any) -> Callable[..., Any]:
-        """Traces the train step on one step's batch (for its metrics and donation)."""
+    def _build(self, state: Any, data: Any, xs: Any, steps: int) -> Callable[..., Any]:
+        """The program of ``steps`` steps (the first one traces the train step on one
+        step's batch, for its metrics and donation)."""
         batch_of = self.feed.batch_of
-        one = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), xs)
-        batch = jax.eval_shape(batch_of, data, one)
-        traced = trace_step(self.train_step, state, batch)
-        self._layout = traced.layout
-        self.unrolled = unrolls_chunks(self.mesh, traced.jaxpr)
-        self._program = chunk_program(
+        if self._traced is None:
+            one = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), xs)
+            self._traced = trace_step(self.train_step, state, jax.eval_shape(batch_of, data, one))
+            self._zeros = zero_interval(self._traced.layout, self.mesh)
+            self.loop = loop_for(self.mesh, self._traced.jaxpr)
+        traced, counted = self._traced, self.loop == "counted"
+        program = chunk_program(
             self.train_step,
-            self._layout,
+            traced.layout,
             traced.state_shardings,
             self.mesh,
+            loop=self.loop,
+            steps=self.largest if counted else steps,
             donate_state=traced.donates_state,
             batch_of=batch_of,
             log_every=self.log_every,
-            unroll=self.unrolled,
         )
-        self._zeros = zero_interval(self._layout, self.mesh)
-        self.step_key = (self._program, _avals(state), _avals(one), self.feed.describe())
-        return self._program
+        self._programs[0 if counted else steps] = program
+        return program
 
     @property
     def layout(self) -> MetricLayout:
-        assert self._layout is not None
-        return self._layout
+        assert self._traced is not None
+        return self._traced.layout
 
     @property
     def zeros(self) -> Interval:
@@ -203,3 +200,33 @@ class Chunked:
 
     def describe(self) -> str:
         return self.feed.describe()
+
+
+def runner(
+    train_step: Callable[..., Any],
+    pipeline: Any,
+    data_state: dict[str, Any] | None,
+    mesh: Mesh,
+    *,
+    log_every: int,
+    largest: int,
+    chunked: bool,
+) -> StepProgram | PlainSteps:
+    """The step program for a jitted step (dispatches of up to ``largest`` steps), one
+    call per step for a plain-Python one.
+
+    Raises:
+      TypeError: a plain-Python step with resident data or ``chunked`` dispatches.
+    """
+    if hasattr(train_step, "trace"):
+        feed = Feed(pipeline, data_state, largest=largest)
+        return StepProgram(train_step, feed, mesh, log_every=log_every, largest=largest)
+    if pipeline.resident_mode is not None or chunked:
+        raise TypeError(
+            "Several steps per dispatch and resident data need a jitted train step "
+            f"(make_train_step, or jax.jit of your own), got {train_step!r}. Pass "
+            "Dispatch(steps_per_dispatch=1) and a pipeline with resident=False to run "
+            "a plain-Python step."
+        )
+    batches = GlobalBatchIterator(pipeline, state=data_state)
+    return PlainSteps(train_step, batches, mesh, log_every=log_every)

@@ -5,19 +5,13 @@ the checkpoint policy), ``Logging`` (records, progress bar, writers) and ``Dispa
 (how many steps are queued, which are profiled). Each one is also usable on its own
 by a loop of your own: ``Evaluation.due``/``run``, ``Checkpoints.due``/``checkpointer``,
 ``Dispatch.window``.
-
-``fit``'s flat keywords of earlier releases (``eval_every=``, ``checkpoint_every=``...)
-still work for one release: ``resolve_deprecated`` turns them into these objects with
-a ``DeprecationWarning`` that names the new form (the table ``DEPRECATED`` says which
-field each one became).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from jax.sharding import Mesh
 
@@ -214,15 +208,17 @@ class Dispatch:
         wait (and, with several processes, stopping every process); ``None``:
         ``MESHKIT_STALL_TIMEOUT``, else 1800. The first step (compiling), evaluations
         and checkpoint saves are not timed.
-      steps_per_dispatch: steps run inside one compiled program (``lax.scan`` over the
-        step; batches stacked, or gathered on the devices from resident data), so a
-        small model is not held back by the host. An int ``N >= 1``, or ``'auto'``:
-        measured at the start of the run, the smallest divisor of the checkpoint and
-        evaluation period whose dispatch overhead is below 3% of a step. Chunks end at
-        every checkpoint and evaluation; a preemption, a failed save or a hook's stop
-        is answered after the chunk under way. Where fewer than ``N`` steps are left
-        before a boundary they run one per dispatch (two compiled sizes in all). Log
-        lines are the same for every ``N``. 1 (the default) dispatches every step.
+      steps_per_dispatch: steps each call of the step program runs (a loop over the
+        train step; batches stacked, or gathered on the devices from resident data),
+        so a small model is not held back by the host. An int ``N >= 1``, or
+        ``'auto'``: a calibration on the run's first steps that times one-step
+        dispatches and a probe chunk, and keeps the chunk where its steps ran in at
+        most 0.9 of the time (``FitResult`` says what it measured and chose; the
+        rule is in docs/training.md). Dispatches end at every checkpoint and
+        evaluation; a preemption, a failed save or a hook's stop is answered after
+        the dispatch under way. Where fewer than ``N`` steps are left before a
+        boundary they run one per dispatch. Log lines and results are the same for
+        every ``N``. 1 (the default) dispatches every step.
 
     Examples:
         >>> import jax, meshkit
@@ -272,91 +268,3 @@ class Dispatch:
         if self.max_in_flight is None:
             return InFlight.for_mesh(mesh)
         return InFlight(self.max_in_flight)
-
-
-SETTINGS: dict[str, type] = {
-    "evaluation": Evaluation,
-    "checkpoints": Checkpoints,
-    "logging": Logging,
-    "dispatch": Dispatch,
-}
-"""``fit``'s settings parameters and their types."""
-
-DEPRECATED: dict[str, tuple[str, str]] = {
-    "eval_pipeline": ("evaluation", "pipeline"),
-    "eval_every": ("evaluation", "every"),
-    "per_example_fn": ("evaluation", "per_example_fn"),
-    "checkpoint_every": ("checkpoints", "every"),
-    "keep_checkpoints": ("checkpoints", "keep"),
-    "checkpoint_dir": ("checkpoints", "directory"),
-    "log_every": ("logging", "every"),
-    "progress": ("logging", "progress"),
-    "writers": ("logging", "writers"),
-    "learning_rate": ("logging", "learning_rate"),
-    "max_in_flight": ("dispatch", "max_in_flight"),
-    "profile_steps": ("dispatch", "profile_steps"),
-}
-"""``fit``'s keywords of earlier releases: ``old keyword -> (settings parameter, field)``."""
-
-
-class FitSettings(NamedTuple):
-    """``fit``'s settings after the old keywords were folded in, defaults filled."""
-
-    evaluation: Evaluation | None
-    checkpoints: Checkpoints
-    logging: Logging
-    dispatch: Dispatch
-
-
-def resolve_deprecated(
-    deprecated: Mapping[str, Any], given: Mapping[str, Any], *, valid: Sequence[str]
-) -> FitSettings:
-    """The settings ``given`` (parameter -> object or ``None``) with the old keywords folded in.
-
-    Each group of old keywords becomes its settings object, with one
-    ``DeprecationWarning`` naming the new form. An unknown keyword is a ``TypeError``
-    naming the ``valid`` ones; an old keyword beside the object that covers it is a
-    ``TypeError`` too (which one would win is not obvious).
-    """
-    unknown = [name for name in deprecated if name not in DEPRECATED]
-    if unknown:
-        raise TypeError(
-            f"fit() got an unexpected keyword argument {unknown[0]!r}. It takes "
-            f"{', '.join(valid)} (and, until the next release, the deprecated "
-            f"{', '.join(DEPRECATED)})."
-        )
-    resolved = dict(given)
-    for parameter, cls in SETTINGS.items():
-        olds = [name for name in deprecated if DEPRECATED[name][0] == parameter]
-        if not olds:
-            continue
-        fields = {DEPRECATED[name][1]: deprecated[name] for name in olds}
-        old = ", ".join(f"{name}=..." for name in olds)
-        new = _new_form(parameter, cls, fields)
-        if resolved[parameter] is not None:
-            raise TypeError(
-                f"fit() got both {parameter}= and {old}, which {parameter}= covers. "
-                f"Pass only {new}."
-            )
-        if cls is Evaluation and "pipeline" not in fields:
-            raise TypeError(f"fit({old}) has no eval_pipeline= to evaluate; pass {new}.")
-        warnings.warn(
-            f"fit({old}) is deprecated and will be removed in meshkit 0.2.0 (see CHANGELOG.md); "
-            f"pass {new}.",
-            DeprecationWarning,
-            stacklevel=3,  # the caller of fit
-        )
-        resolved[parameter] = cls(**fields)
-    return FitSettings(
-        resolved["evaluation"],
-        resolved["checkpoints"] or Checkpoints(),
-        resolved["logging"] or Logging(),
-        resolved["dispatch"] or Dispatch(),
-    )
-
-
-def _new_form(parameter: str, cls: type, fields: Mapping[str, Any]) -> str:
-    """``evaluation=Evaluation(eval_pipeline, every=...)``: the call that replaces ``fields``."""
-    arguments = ["eval_pipeline"] if cls is Evaluation else []
-    arguments += [f"{name}=..." for name in fields if name != "pipeline"]
-    return f"{parameter}={cls.__name__}({', '.join(arguments)})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh
@@ -379,7 +381,9 @@ def create_train_state(
 
     The shapes come from ``jax.eval_shape``, the shardings from ``rules`` (replicated
     when ``None``; ``PartitionRules.fsdp()`` for FSDP), and the state is created by a
-    jit with those ``out_shardings``: it never exists in full on one device.
+    jit with those ``out_shardings``: it never exists in full on one device. That jit
+    takes the seed as an argument, so a second state of the same model, optimizer,
+    mesh, rules and precision (another seed, a fresh start) compiles nothing.
 
     ``precision`` (``"f32"``, ``"bf16"``, ``"f16"`` or a ``Precision``) picks the
     dtype the model computes in; parameters and optimizer state stay float32 (see
@@ -409,8 +413,29 @@ def create_train_state(
     abstract = abstract_train_state(model, tx, seed, precision=policy)
     shardings = train_state_shardings(abstract, mesh, rules)
     warn_unused_axes(shardings, mesh, rules)
-    state = jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
+    if -(2**31) <= seed < 2**32:  # a seed JAX takes as 32 bits: one compile for them all
+        leaves, treedef = jax.tree.flatten(shardings)
+        init = _init_program(model, tx, policy, (treedef, tuple(leaves)))
+        state = init(np.uint32(seed) if seed >= 0 else np.int32(seed))
+    else:
+        state = jax.jit(lambda: _init_state(model, tx, seed, policy), out_shardings=shardings)()
     return _with_activation_rules(state, mesh, rules)
+
+
+@functools.lru_cache(maxsize=16)
+def _init_program(
+    model: Model,
+    tx: optax.GradientTransformation,
+    policy: Precision,
+    shardings: tuple[Any, tuple[Any, ...]],
+) -> Callable[[Any], TrainState]:
+    """The jitted init of ``create_train_state``, the seed its argument: one compile for
+    every seed of the same model, optimizer, precision and shardings."""
+    treedef, leaves = shardings
+    return jax.jit(
+        lambda seed: init_state_from_key(model, tx, jax.random.key(seed), precision=policy),
+        out_shardings=jax.tree.unflatten(treedef, leaves),
+    )
 
 
 _WARNED_UNUSED: set[tuple[tuple[tuple[str, int], ...], str]] = set()
