@@ -95,7 +95,7 @@ def test_the_data_core_imports_no_format():
     data = ROOT / "data"
     core = sorted([*data.glob("_*.py"), *(data / "image").glob("*.py")])
     core = [path for path in core if path.name != "__init__.py" or path.parent != data]
-    assert {path.stem for path in data.glob("_*.py")} >= {"_source", "_pipeline", "_iterator"}
+    assert {path.stem for path in data.glob("_*.py")} >= {"_source", "_pipeline", "_feed"}
     reached = {_module_name(path): _formats_imports(path) for path in core}
     assert not any(reached.values()), {name: sorted(t) for name, t in reached.items() if t}
     formats = data / "_formats" / "_image_records.py"
