@@ -167,7 +167,10 @@ def srun_command(script: str) -> list[str]:
 
 
 def summary(workdir: Path) -> dict[str, Any]:
+    """The run's summary without its timings: the clock figures, and what 'auto' measured
+    (its choice stays in the input line)."""
     values = json.loads((workdir / "summary.json").read_text())
+    values["input"] = re.sub(r" \(auto: .*\)$", "", values["input"])
     return {key: value for key, value in values.items() if key not in TIMING}
 
 
