@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
@@ -45,7 +46,11 @@ def place_global(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> A
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
         if jax.process_count() == 1:
-            # may_alias=False: a new buffer, so a donating step cannot delete the input.
+            if copy and isinstance(leaf, jax.Array):
+                # A copy of our own first: device_put's may_alias=False still lets the
+                # first device's shard share the input's buffer when it reshards (JAX
+                # 0.10), and a donating step would then delete the caller's array.
+                leaf = jnp.copy(leaf)
             return jax.device_put(leaf, sharding, may_alias=False if copy else None)
         host = np.asarray(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

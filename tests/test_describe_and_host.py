@@ -89,9 +89,14 @@ def test_replicate_and_to_host_round_trip():
         meshkit.replicate(tree, "data")  # type: ignore[arg-type]
 
 
-def test_replicate_copies_a_device_array_so_a_donating_step_cannot_delete_it():
+@pytest.mark.parametrize("where", ["one device", "the mesh"])
+def test_replicate_copies_a_device_array_so_a_donating_step_cannot_delete_it(where: str):
+    """On 8 devices an array on one device is resharded, and JAX's ``device_put`` kept
+    its buffer as the first device's shard even with ``may_alias=False``."""
     mesh = meshkit.make_mesh("data=-1")
-    original = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, P()))
+    original = jnp.arange(4.0)
+    if where == "the mesh":
+        original = jax.device_put(original, jax.sharding.NamedSharding(mesh, P()))
     placed = meshkit.replicate({"w": original}, mesh)["w"]
     donating = jax.jit(lambda x: x + 1, donate_argnums=0)
     assert donating(placed).tolist() == [1.0, 2.0, 3.0, 4.0]
