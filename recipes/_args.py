@@ -149,24 +149,7 @@ def setup_errors_in_one_line() -> Iterator[None]:
 
 
 RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "summary.json")
-"""What ``--fresh`` deletes from the workdir: the run meshkit wrote there."""
-
-
-def clear_run(workdir: epath.Path, names: tuple[str, ...] = RUN_FILES) -> None:
-    """``--fresh``: deletes ``names`` (or glob patterns, ``stage_*``) from ``workdir`` (on
-    process 0; every process waits)."""
-    import jax
-    from jax.experimental import multihost_utils
-
-    if jax.process_index() == 0 and workdir.exists():
-        for name in names:
-            for path in workdir.glob(name):
-                if path.is_dir():
-                    path.rmtree()
-                else:
-                    path.unlink()
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("meshkit --fresh")
+"""What a training recipe writes in its workdir, and ``--fresh`` deletes."""
 
 
 def start_run(
@@ -179,19 +162,21 @@ def start_run(
 ) -> None:
     """The start of a training recipe, before anything is built or compiled.
 
-    ``--fresh`` first deletes ``run_files`` from the workdir. Then ``config.json``
-    records the run's arguments: a run already in the workdir (``resuming``: see
-    ``write_run_config``) with other settings stops the recipe in one line naming
-    each difference, and (``finished``) one whose checkpoints already reached
-    ``--steps`` ends it in one line saying so, instead of loading it to train no step.
+    The recipe claims its workdir (``train.claim_workdir``) until its process ends:
+    a workdir another run holds, or one holding files under ``run_files`` that
+    meshkit did not write, stops it in one line. ``--fresh`` then deletes what a
+    meshkit run wrote there. Then ``config.json`` records the run's arguments: a run
+    already in the workdir (``resuming``: see ``write_run_config``) with other
+    settings stops the recipe in one line naming each difference, and (``finished``)
+    one whose checkpoints already reached ``--steps`` ends it in one line saying so,
+    instead of loading it to train no step.
     """
     import jax
 
     from meshkit import train
 
-    if args.fresh:
-        clear_run(args.workdir, run_files)
     with setup_errors_in_one_line():
+        train.claim_workdir(args.workdir, writes=run_files, fresh=args.fresh)
         train.write_run_config(args.workdir, args, mesh, resuming=resuming)
     done = None
     if finished:
@@ -307,10 +292,12 @@ def run_summary(result: Any) -> dict[str, Any]:
 
 
 def write_summary(workdir: Any, summary: dict[str, Any]) -> None:
-    """On process 0: ``summary.json`` in ``workdir``, and the summary as the last line
-    printed."""
+    """The end of a training recipe: on process 0, ``summary.json`` in ``workdir``,
+    a line saying where the run's files are, and the summary as the last line printed.
+    (The workdir is let go when the recipe's process ends.)"""
     import jax
 
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
+        print(f"The run's checkpoints, records and summary are in {workdir}", flush=True)
+        print(json.dumps(summary), flush=True)

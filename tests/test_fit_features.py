@@ -233,6 +233,14 @@ def test_a_tensorboard_logdir_that_is_a_file_is_refused_before_training(tmp_path
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
 
 
+def test_fit_holds_its_workdir_and_leaves_a_users_records_alone(tmp_path):
+    (tmp_path / "mine" / "metrics.jsonl").parent.mkdir()
+    (tmp_path / "mine" / "metrics.jsonl").write_text("epoch,loss\n1,0.5\n")
+    with pytest.raises(train.WorkdirError, match=r"holds metrics\.jsonl, which meshkit did not"):
+        run_fit(tmp_path / "mine")
+    assert (tmp_path / "mine" / "metrics.jsonl").read_text() == "epoch,loss\n1,0.5\n"
+
+
 def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatch):
     import importlib
 

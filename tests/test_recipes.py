@@ -170,18 +170,3 @@ def test_the_plan_recipe_takes_remat_as_meshkit_plan_does_and_no_cpu_devices(cap
     with pytest.raises(SystemExit):
         parse_args(["--cpu-devices", "4"])  # each target brings its own device count
     assert "unrecognized arguments: --cpu-devices 4" in capsys.readouterr().err
-
-
-@pytest.mark.once
-def test_fresh_deletes_the_run_and_a_sweeps_stages_and_nothing_else(tmp_path):
-    from etils import epath
-
-    from recipes._args import RUN_FILES, clear_run
-
-    for name in ("checkpoints/4", "stage_0/checkpoints/4", "stage_1/metrics.jsonl", "notes/a"):
-        (tmp_path / name).mkdir(parents=True)
-    for name in ("config.json", "metrics.jsonl", "sweep.json", "my_data.npz"):
-        (tmp_path / name).write_text("{}")
-    clear_run(epath.Path(tmp_path), (*RUN_FILES, "sweep.json", "stage_*"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_data.npz", "notes"]
-    clear_run(epath.Path(tmp_path / "missing"))  # a first run: nothing to delete

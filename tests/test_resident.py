@@ -184,6 +184,35 @@ def test_a_dataset_too_large_for_one_device_is_split_over_the_data_axis(monkeypa
     assert pipeline.resident_bytes == 7 * 33  # 50 rows over 8 devices: 7 each
 
 
+@pytest.mark.once(8)
+@pytest.mark.devices(8)
+def test_a_layout_asked_for_is_checked_against_the_same_limit(monkeypatch):
+    monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "1000")
+    sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
+
+    def build(resident):
+        return data.TrainPipeline(
+            odd_source(),
+            global_batch_size=16,
+            sharding=sharding,
+            input_settings=data.InputSettings(resident=resident),
+        )
+
+    with pytest.raises(ValueError) as error:
+        build("replicated")  # 1.6 KiB on each device; split, 231 B would fit
+    assert str(error.value).endswith(
+        " needs 1.6 KiB on every device to be resident replicated; "
+        "resident data may take 1000 B per device (MESHKIT_RESIDENT_BYTES=1000). Use "
+        "resident='sharded' (231 B per device with its rows split over the 8 data shards), "
+        "read batches from the host instead (resident=False; --input host in the recipes), "
+        "or set MESHKIT_RESIDENT_BYTES to the bytes per device it may take."
+    )
+    assert build("sharded").resident_bytes == 7 * 33
+    monkeypatch.setenv("MESHKIT_RESIDENT_BYTES", "100")
+    with pytest.raises(ValueError, match=r"needs 231 B per device to be resident with its rows"):
+        build("sharded")
+
+
 @pytest.mark.once
 def test_resident_input_refuses_host_transforms_and_unknown_layouts():
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))

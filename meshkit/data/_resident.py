@@ -180,39 +180,35 @@ def choose_layout(
     bytes it takes per device.
 
     ``mode=None`` replicates when the dataset fits within ``resident_limit_bytes`` of
-    one device, and splits its rows over the data axes when only a part fits. Nothing
-    is placed: a pipeline calls this when it is built, so a dataset that fits nowhere
-    is refused before anything compiles.
+    one device, and splits its rows over the data axes when only a part fits; a
+    ``mode`` asked for must fit within the same limit. Nothing is placed: a pipeline
+    calls this when it is built, so a dataset that does not fit is refused before
+    anything compiles.
 
     Raises:
-      ValueError: it fits in neither layout; the message gives both sizes, the limit
-        and the ways out.
+      ValueError: it does not fit in the layout asked for, or (``mode=None``) in
+        either; the message gives the sizes, the limit and the ways out.
     """
     shards = leading_dim_shards(batch_sharding)
     row_bytes = _bytes_per_row(example)
-    replicated = num_examples * row_bytes
-    sharded = -(-num_examples // shards) * row_bytes
-    if mode == "replicated":
-        return mode, replicated
-    if mode == "sharded":
-        return mode, sharded
+    sizes: dict[ResidentMode, int] = {
+        "replicated": num_examples * row_bytes,
+        "sharded": -(-num_examples // shards) * row_bytes,
+    }
     mesh = batch_sharding.mesh
     assert isinstance(mesh, Mesh)
     limit, source = resident_limit_bytes(mesh.devices.flat[0])
-    if replicated <= limit:
-        return "replicated", replicated
-    if sharded <= limit and shards > 1:
-        return "sharded", sharded
-    raise ValueError(
-        _too_large(
-            what,
-            replicated=replicated,
-            sharded=sharded,
-            shards=shards,
-            limit=limit,
-            source=source,
-        )
+    modes: tuple[ResidentMode, ...] = (
+        (mode,)
+        if mode is not None
+        else ("replicated", "sharded")
+        if shards > 1
+        else ("replicated",)
     )
+    for candidate in modes:
+        if sizes[candidate] <= limit:
+            return candidate, sizes[candidate]
+    raise ValueError(_too_large(what, sizes, mode, shards=shards, limit=limit, source=source))
 
 
 def place_resident(
@@ -338,18 +334,33 @@ def place_eval_batches(
 
 
 def _too_large(
-    what: str, *, replicated: int, sharded: int, shards: int, limit: int, source: str
+    what: str,
+    sizes: Mapping[ResidentMode, int],
+    mode: ResidentMode | None,
+    *,
+    shards: int,
+    limit: int,
+    source: str,
 ) -> str:
-    split = (
-        f", or {format_bytes(sharded)} per device with its rows split over the {shards} data shards"
-        if shards > 1
-        else ""
-    )
+    split = f"with its rows split over the {shards} data shards"
+    if mode == "replicated":
+        needs = f"{format_bytes(sizes['replicated'])} on every device to be resident replicated"
+        other = f"resident='sharded' ({format_bytes(sizes['sharded'])} per device {split}), "
+    elif mode == "sharded":
+        needs = f"{format_bytes(sizes['sharded'])} per device to be resident {split}"
+        other = ""
+    else:
+        needs = f"{format_bytes(sizes['replicated'])} on every device to be resident" + (
+            f", or {format_bytes(sizes['sharded'])} per device {split}" if shards > 1 else ""
+        )
+        other = ""
+    if other and sizes["sharded"] > limit:
+        other = ""
     return (
-        f"{what} needs {format_bytes(replicated)} on every device to be resident{split}; "
-        f"resident data may take {format_bytes(limit)} per device ({source}). Read batches "
-        f"from the host instead (resident=False; --input host in the recipes), or set "
-        f"{LIMIT_VARIABLE} to the bytes per device it may take."
+        f"{what} needs {needs}; resident data may take {format_bytes(limit)} per device "
+        f"({source}). Use {other}read batches from the host instead (resident=False; "
+        f"--input host in the recipes), or set {LIMIT_VARIABLE} to the bytes per device it "
+        "may take."
     )
 
 

@@ -13,11 +13,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from tqdm import tqdm
 
 from meshkit._host import to_host
 from meshkit._paths import PathLike, as_path, write_text_atomically
 from meshkit._types import PerExampleFn
+from meshkit._workdir import RUN_FILES, claimed
 from meshkit.data import TrainPipeline
 from meshkit.ensemble import (
     EnsembleLayout,
@@ -92,6 +94,10 @@ def _step(
         microbatches=microbatches,
         members_may_diverge=True,
     )
+
+
+SWEEP_FILES = (*RUN_FILES, "sweep.json", "stage_*", "results.json")
+"""What a sweep writes in its workdir (each stage is a ``fit`` run in ``stage_<i>``)."""
 
 
 def sweep_pipeline(
@@ -218,6 +224,30 @@ def run_sweep(
         'auto')`` runs many steps of all K members per program, with a pipeline built
         with ``InputSettings(resident=True)`` the data on the devices.
     """
+    with claimed(workdir, writes=SWEEP_FILES) as path:
+        return _run(
+            sweep,
+            pipeline=pipeline,
+            evaluation=evaluation,
+            num_steps=num_steps,
+            workdir=path,
+            checkpoints=checkpoints,
+            logging=logging,
+            dispatch=dispatch,
+        )
+
+
+def _run(
+    sweep: Sweep,
+    *,
+    pipeline: TrainPipeline,
+    evaluation: Evaluation,
+    num_steps: int,
+    workdir: epath.Path,
+    checkpoints: Checkpoints | None,
+    logging: Logging | None,
+    dispatch: Dispatch | None,
+) -> SweepResult:
     evaluation, score_fn = _checked_evaluation(sweep, evaluation)
     layout, metric, mode, schedule, seed = (
         sweep.layout,
@@ -230,8 +260,6 @@ def run_sweep(
     state = sweep.initial_state()
     _check_pipeline(pipeline, checked)
     names = tuple(name for name in checked[0] if name not in SEED_NAMES)  # checked above
-    workdir = as_path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
     member_batches = "data_seed" in checked[0]
     step = _step(sweep.loss_fn, layout, member_batches, sweep.microbatches, sweep.strategy)

@@ -3,6 +3,8 @@
 from meshkit._inflight import InFlight as InFlight
 from meshkit._runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit._runtime.preemption import PreemptionWatcher as PreemptionWatcher
+from meshkit._workdir import WorkdirError as WorkdirError
+from meshkit._workdir import claim_workdir as claim_workdir
 from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from meshkit.train._checkpoint import Checkpointer as Checkpointer
 from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError

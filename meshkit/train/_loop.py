@@ -18,11 +18,12 @@ from tqdm import tqdm
 from meshkit._compiles import count_compiles
 from meshkit._host import to_host
 from meshkit._inflight import InFlight
-from meshkit._paths import PathLike, as_path, check_store_packages
+from meshkit._paths import PathLike
 from meshkit._runtime import PreemptionWatcher, StallWatch
 from meshkit._types import Batch, Metrics
+from meshkit._workdir import claimed
 from meshkit.data import TrainPipeline
-from meshkit.train._checkpoint import Checkpointer
+from meshkit.train._checkpoint import Checkpointer, Restored
 from meshkit.train._chunks import (
     TIMED_STEPS,
     WARM_STEPS,
@@ -44,6 +45,10 @@ from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
 
 __all__ = ["FitResult", "NonFiniteLossError", "fit"]
+
+FIT_FILES = ("checkpoints", "metrics.jsonl")
+"""What ``fit`` writes in its workdir (besides ``profile`` and writers' folders, which
+only add files): a folder without meshkit's marker must not hold others' under these."""
 
 
 @dataclasses.dataclass
@@ -137,7 +142,10 @@ def fit(
       pipeline: the training data.
       num_steps: total steps, counted from the start of the run (not of this resume).
       workdir: where checkpoints, ``metrics.jsonl`` and profiles go: a local folder
-        or an object-store URI (``gs://bucket/run``; see ``etils.epath``).
+        or an object-store URI (``gs://bucket/run``; see ``etils.epath``). The run
+        holds it while it trains: a second run into it raises ``WorkdirError`` naming
+        the first, as does a folder whose ``checkpoints`` or ``metrics.jsonl`` meshkit
+        did not write.
       evaluation: full evaluation, e.g. ``Evaluation(eval_pipeline, every=100)``;
         ``None``: no evaluation.
       checkpoints: when and where to save; ``None``: ``Checkpoints()`` (every 100
@@ -187,76 +195,76 @@ def fit(
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
     window: InFlight[_Queued] = dispatch.window(mesh)
-    workdir = _open_workdir(workdir)
-    checkpointer = checkpoints.checkpointer(workdir)
-    resumed = checkpointer.resume(state)  # the newest intact checkpoint
-    data_state = None if resumed is None else resumed.data
-    if data_state is None:
-        first = state_step(state) if start_step is None else start_step
-        _check_start(first, num_steps, given=start_step is not None)
-        if first:
-            data_state = {"step": first, **pipeline.state_fields()}
-    state = state if resumed is None else resumed.state
-    start = 0 if data_state is None else int(data_state["step"])
-    records, bar = _open_records(logging, workdir, checkpointer, start, num_steps)
-    profiler = StepProfiler(dispatch.profile_steps, workdir / "profile")
-    profiler.check_run(start, num_steps)
-    setting = dispatch.steps_per_dispatch
-    setting = 1 if setting == "auto" and not hasattr(train_step, "trace") else setting
-    steps_runner = runner(
-        train_step,
-        pipeline,
-        data_state,
-        mesh,
-        log_every=logging.every,
-        largest=_largest(setting, checkpoints, evaluation),
-        chunked=setting != 1,
-    )
-    watcher = PreemptionWatcher()
-    loop = _Loop(
-        state,
-        records,
-        steps_runner,
-        evaluation,
-        window,
-        log_every=logging.every,
-        hooks=hooks,
-        stall=StallWatch(dispatch.stall_timeout),
-        segment=_Segments(checkpoints, evaluation, num_steps, watcher, checkpointer, profiler),
-        start=start,
-    )
-    began = time.perf_counter()
-    try:
-        with count_compiles() as compiles:
-            calibration = _calibrate(loop) if setting == "auto" else None
-            steps_per_dispatch = setting if calibration is None else choose_steps(calibration)
-            steps_per_dispatch = 1 if steps_per_dispatch == "auto" else steps_per_dispatch
-            loop.run(steps_per_dispatch, num_steps)
-            if start >= num_steps and evaluation is not None:
-                loop.evaluate(loop.step)
-        checkpointer.wait()
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, saying where, without a traceback
-        with contextlib.suppress(Exception):  # through JAX's compiler or the loop's internals
-            checkpointer.wait()  # a save under way finishes, and counts
-        raise KeyboardInterrupt(_interrupted(loop, checkpointer)) from None
-    finally:
-        loop.stall.close()
-        profiler.stop(loop.state)
-        steps_runner.feed.close()
-        watcher.close()
-        bar.close()
-        records.close()
-        checkpointer.close()
-    return _result(
-        loop,
-        start=start,
-        resumed_from=None if resumed is None else resumed.step,
-        wall=time.perf_counter() - began,
-        train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
-        dispatch=describe_dispatch(steps_per_dispatch, calibration, auto=setting == "auto"),
-        steps_per_dispatch=steps_per_dispatch,
-        calibration=calibration,
-    )
+    with claimed(workdir, writes=FIT_FILES) as folder:
+        checkpointer = checkpoints.checkpointer(folder)
+        resumed = _resume(checkpointer, state, say=logging.progress)
+        data_state = None if resumed is None else resumed.data
+        if data_state is None:
+            first = state_step(state) if start_step is None else start_step
+            _check_start(first, num_steps, given=start_step is not None)
+            if first:
+                data_state = {"step": first, **pipeline.state_fields()}
+        state = state if resumed is None else resumed.state
+        start = 0 if data_state is None else int(data_state["step"])
+        records, bar = _open_records(logging, folder, checkpointer, start, num_steps)
+        profiler = StepProfiler(dispatch.profile_steps, folder / "profile")
+        profiler.check_run(start, num_steps)
+        setting = dispatch.steps_per_dispatch
+        setting = 1 if setting == "auto" and not hasattr(train_step, "trace") else setting
+        steps_runner = runner(
+            train_step,
+            pipeline,
+            data_state,
+            mesh,
+            log_every=logging.every,
+            largest=_largest(setting, checkpoints, evaluation),
+            chunked=setting != 1,
+        )
+        watcher = PreemptionWatcher()
+        loop = _Loop(
+            state,
+            records,
+            steps_runner,
+            evaluation,
+            window,
+            log_every=logging.every,
+            hooks=hooks,
+            stall=StallWatch(dispatch.stall_timeout),
+            segment=_Segments(checkpoints, evaluation, num_steps, watcher, checkpointer, profiler),
+            start=start,
+        )
+        began = time.perf_counter()
+        try:
+            with count_compiles() as compiles:
+                calibration = _calibrate(loop) if setting == "auto" else None
+                steps_per_dispatch = setting if calibration is None else choose_steps(calibration)
+                steps_per_dispatch = 1 if steps_per_dispatch == "auto" else steps_per_dispatch
+                loop.run(steps_per_dispatch, num_steps)
+                if start >= num_steps and evaluation is not None:
+                    loop.evaluate(loop.step)
+            checkpointer.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, saying where, without a traceback
+            with contextlib.suppress(Exception):  # through JAX's compiler or the loop's internals
+                checkpointer.wait()  # a save under way finishes, and counts
+            raise KeyboardInterrupt(_interrupted(loop, checkpointer)) from None
+        finally:
+            loop.stall.close()
+            profiler.stop(loop.state)
+            steps_runner.feed.close()
+            watcher.close()
+            bar.close()
+            records.close()
+            checkpointer.close()
+        return _result(
+            loop,
+            start=start,
+            resumed_from=None if resumed is None else resumed.step,
+            wall=time.perf_counter() - began,
+            train_step_compiles=compiles.count(getattr(train_step, "__name__", "train_step")),
+            dispatch=describe_dispatch(steps_per_dispatch, calibration, auto=setting == "auto"),
+            steps_per_dispatch=steps_per_dispatch,
+            calibration=calibration,
+        )
 
 
 def _largest(setting: int | str, checkpoints: Checkpoints, evaluation: Evaluation | None) -> int:
@@ -360,12 +368,13 @@ def _check_start(first: int, num_steps: int, *, given: bool) -> None:
     )
 
 
-def _open_workdir(workdir: PathLike) -> epath.Path:
-    """``workdir`` as a path, made if missing (its store's package checked first)."""
-    check_store_packages(workdir)
-    path = as_path(workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _resume(checkpointer: Checkpointer, state: TrainState, *, say: bool) -> Restored | None:
+    """The newest intact checkpoint restored into ``state``'s layout (``None``: none),
+    said in a line where ``say``."""
+    resumed = checkpointer.resume(state)
+    if resumed is not None and say and jax.process_index() == 0:
+        print(f"Resumed from step {resumed.step} ({checkpointer.directory})", flush=True)
+    return resumed
 
 
 def _check_steps(num_steps: int, pipeline: TrainPipeline, train_step: Any) -> None:
