@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -144,6 +145,24 @@ def setup_errors_in_one_line() -> Iterator[None]:
         raise SystemExit(str(error)) from None
     except ImportError as error:  # an object-store workdir without its client package
         if error.name not in STORE_PACKAGE_NAMES:
+            raise
+        raise SystemExit(str(error)) from None
+
+
+@contextlib.contextmanager
+def run_errors_in_one_line() -> Iterator[None]:
+    """Around a recipe's training: what ends a run for a reason outside the program
+    (a full disk, a failed save, a non-finite loss, a settings error) ends the recipe
+    with its message alone, which names the cause, what was kept and the fix."""
+    from meshkit import train
+
+    try:
+        with setup_errors_in_one_line():
+            yield
+    except (train.CheckpointSaveError, train.NonFiniteLossError) as error:
+        raise SystemExit(str(error)) from None
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise SystemExit(str(error)) from None
 

@@ -56,6 +56,7 @@ from recipes._args import (
     learning_rate_schedule,
     positive_int,
     recipe_parser,
+    run_errors_in_one_line,
     run_summary,
     setup_errors_in_one_line,
     start_run,
@@ -177,16 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 
-    result = train.fit(
-        state,
-        step,
-        pipeline,
-        num_steps=args.steps,
-        workdir=args.workdir,
-        evaluation=train.Evaluation(eval_pipeline, every=args.eval_every),
-        checkpoints=train.Checkpoints(every=args.checkpoint_every),
-        **fit_options(args, schedule),
-    )
+    with run_errors_in_one_line():
+        result = train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=args.steps,
+            workdir=args.workdir,
+            evaluation=train.Evaluation(eval_pipeline, every=args.eval_every),
+            checkpoints=train.Checkpoints(every=args.checkpoint_every),
+            **fit_options(args, schedule),
+        )
     summary = {
         "model": args.model,
         "dataset": args.dataset,

@@ -49,6 +49,7 @@ from recipes._args import (
     learning_rate_schedule,
     positive_int,
     recipe_parser,
+    run_errors_in_one_line,
     run_summary,
     setup_errors_in_one_line,
     start_run,
@@ -160,18 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         print(layout, flush=True)
 
-    result = train.fit(
-        state,
-        step,
-        pipeline,
-        num_steps=args.steps,
-        workdir=args.workdir,
-        evaluation=train.Evaluation(
-            eval_pipeline, every=args.eval_every, per_example_fn=ensemble.ensemble_metrics(layout)
-        ),
-        checkpoints=train.Checkpoints(every=args.checkpoint_every or args.steps),
-        **fit_options(args, schedule),
-    )
+    with run_errors_in_one_line():
+        result = train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=args.steps,
+            workdir=args.workdir,
+            evaluation=train.Evaluation(
+                eval_pipeline,
+                every=args.eval_every,
+                per_example_fn=ensemble.ensemble_metrics(layout),
+            ),
+            checkpoints=train.Checkpoints(every=args.checkpoint_every or args.steps),
+            **fit_options(args, schedule),
+        )
     summary = summarize(args, layout, result)
     write_summary(args.workdir, summary)
     return train.PREEMPTED_EXIT_CODE if result.preempted else 0

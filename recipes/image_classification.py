@@ -53,6 +53,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import meshkit
 from meshkit.data import image
@@ -64,6 +65,7 @@ from recipes._args import (
     learning_rate_schedule,
     positive_int,
     recipe_parser,
+    run_errors_in_one_line,
     run_summary,
     setup_errors_in_one_line,
     start_run,
@@ -162,6 +164,18 @@ def architecture_options(args: argparse.Namespace) -> dict[str, object]:
     return {"patch_size": 4 if small else 16}
 
 
+def optimizer(args: argparse.Namespace, schedule: Any) -> Any:
+    """``--optimizer``: SGD with momentum and decoupled weight decay, or AdamW."""
+    import optax
+
+    if args.optimizer == "sgd":
+        return optax.chain(
+            optax.add_decayed_weights(args.weight_decay),
+            optax.sgd(schedule, momentum=args.momentum),
+        )
+    return optax.adamw(schedule, weight_decay=args.weight_decay)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with setup_errors_in_one_line():  # a launch that cannot work: say why, in a line
@@ -169,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import optax
 
     from meshkit import data, train
     from meshkit.models import MODELS as ARCHITECTURES
@@ -227,13 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = train.linen_model(module, jnp.zeros((1, args.image_size, args.image_size, 3)))
     schedule = learning_rate_schedule(args)
-    if args.optimizer == "sgd":
-        tx = optax.chain(
-            optax.add_decayed_weights(args.weight_decay),
-            optax.sgd(schedule, momentum=args.momentum),
-        )
-    else:
-        tx = optax.adamw(schedule, weight_decay=args.weight_decay)
+    tx = optimizer(args, schedule)
     rules = meshkit.PartitionRules.fsdp("data") if args.rules == "fsdp" else None
     state = train.create_train_state(
         model, tx, mesh, rules=rules, seed=args.seed, precision=args.precision
@@ -247,16 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         print(meshkit.describe(state.params), flush=True)
 
-    result = train.fit(
-        state,
-        step,
-        pipeline,
-        num_steps=args.steps,
-        workdir=args.workdir,
-        evaluation=train.Evaluation(eval_pipeline, every=args.eval_every),
-        checkpoints=train.Checkpoints(every=args.checkpoint_every),
-        **fit_options(args, schedule),
-    )
+    with run_errors_in_one_line():
+        result = train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=args.steps,
+            workdir=args.workdir,
+            evaluation=train.Evaluation(eval_pipeline, every=args.eval_every),
+            checkpoints=train.Checkpoints(every=args.checkpoint_every),
+            **fit_options(args, schedule),
+        )
     local_batch = pipeline.shard.size
     summary = {
         "model": args.model,

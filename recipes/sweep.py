@@ -48,6 +48,7 @@ from recipes._args import (
     add_input_options,
     positive_int,
     recipe_parser,
+    run_errors_in_one_line,
     setup_errors_in_one_line,
     start_run,
     workdir_path,
@@ -168,17 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision,
         microbatches=args.microbatches,
     )
-    result = sweep.run_sweep(
-        experiment,
-        pipeline=pipeline,
-        evaluation=train.Evaluation(
-            data.EvalPipeline(test_source, global_batch_size=128, sharding=layout.batch_sharding)
-        ),
-        num_steps=args.steps,
-        workdir=args.workdir,
-        logging=train.Logging(progress=not args.no_progress),
-        dispatch=train.Dispatch(steps_per_dispatch=args.steps_per_dispatch),
-    )
+    with run_errors_in_one_line():
+        result = sweep.run_sweep(
+            experiment,
+            pipeline=pipeline,
+            evaluation=train.Evaluation(
+                data.EvalPipeline(
+                    test_source, global_batch_size=128, sharding=layout.batch_sharding
+                )
+            ),
+            num_steps=args.steps,
+            workdir=args.workdir,
+            logging=train.Logging(progress=not args.no_progress),
+            dispatch=train.Dispatch(steps_per_dispatch=args.steps_per_dispatch),
+        )
     if result.interrupted:  # a SIGTERM: saved; rerun to resume
         return train.PREEMPTED_EXIT_CODE
     result.save_best()

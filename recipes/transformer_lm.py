@@ -44,6 +44,7 @@ from recipes._args import (
     learning_rate_schedule,
     positive_int,
     recipe_parser,
+    run_errors_in_one_line,
     run_summary,
     setup_errors_in_one_line,
     start_run,
@@ -302,18 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         print(rules)
         print(meshkit.describe(state.params, names=state.logical_axes().params), flush=True)
 
-    result = train.fit(
-        state,
-        step,
-        pipeline,
-        num_steps=args.steps,
-        workdir=args.workdir,
-        evaluation=train.Evaluation(
-            eval_pipeline, every=args.eval_every, per_example_fn=next_token_metrics
-        ),
-        checkpoints=train.Checkpoints(every=args.checkpoint_every),
-        **fit_options(args, schedule),
-    )
+    with run_errors_in_one_line():
+        result = train.fit(
+            state,
+            step,
+            pipeline,
+            num_steps=args.steps,
+            workdir=args.workdir,
+            evaluation=train.Evaluation(
+                eval_pipeline, every=args.eval_every, per_example_fn=next_token_metrics
+            ),
+            checkpoints=train.Checkpoints(every=args.checkpoint_every),
+            **fit_options(args, schedule),
+        )
     prompt = args.sample_prompt.encode("utf-8")
     text = data.decode_bytes(sample(result.state, prompt, args.length))
     bits_per_char = result.eval_metrics.get("bits_per_char")

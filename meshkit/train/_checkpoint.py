@@ -137,6 +137,7 @@ class Checkpointer:
         self.save_every = save_every
         self._storage = Storage(self.directory, keep)
         self._pending: int | None = None  # the step of a save that may still be running
+        quiet_abandoned_writes()  # a failed save's writes may complain before it is seen
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or ``None``."""

@@ -37,6 +37,7 @@ from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval
 from meshkit.train._label_diagnosis import labels_outside_classes
+from meshkit.train._orbax import disk_full
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
 from meshkit.train._runners import Closed, PlainSteps, StepProgram, runner
@@ -407,7 +408,18 @@ def _open_records(
     )
     writers = [JsonlWriter(workdir / "metrics.jsonl"), *logging.writers]
     records = Records(writers, bar, checkpointer, logging.learning_rate)
-    records.start(start)
+    try:
+        records.start(start)  # a resumed run drops the records after its checkpoint
+    except OSError as error:
+        if not disk_full(error):
+            raise
+        bar.close()
+        raise OSError(
+            error.errno,
+            f"Rewriting the records in {workdir} failed: no space left on device (or the "
+            "disk quota is exceeded). Free space on that file system, then rerun the same "
+            f"command to resume from step {start}.",
+        ) from None
     return records, bar
 
 

@@ -258,11 +258,15 @@ _quieted = threading.Event()  # the hooks below are installed once per process
 
 
 def quiet_abandoned_writes() -> None:
-    """After a failed save, drops what Orbax's abandoned write tasks print as the
+    """Drops what Orbax's abandoned writes print after a failed save: as the
     interpreter shuts down (``Exception ignored in: <coroutine ... write_fragment>``,
     ``ImportError: sys.meta_path is None``, asyncio's ``Task exception was never
-    retrieved``): dozens of lines after the one error that says what happened. Other
-    unraisable exceptions and asyncio records are reported as before."""
+    retrieved``), and TensorStore's callbacks of failed writes into the save's event
+    loop, closed by then (a bare ``RuntimeError: Event loop is closed`` traceback,
+    each, at any moment: before or after the one error that says what happened).
+    Installed when a checkpointer opens, since those callbacks may come before the
+    failure is seen. Other unraisable exceptions and asyncio records are reported as
+    before."""
     if _quieted.is_set():
         return
     _quieted.set()
@@ -277,10 +281,17 @@ def quiet_abandoned_writes() -> None:
             tb = tb.tb_next
         if "orbax" in " ".join(files) or "write_fragment" in where:
             return
+        closed = (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        )
+        if closed and unraisable.object is None and all("asyncio" in f for f in files):
+            return
         previous(unraisable)
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_AbandonedOrbaxTasks())
+    logging.getLogger("absl").addFilter(_FailedSaveLogs())
 
 
 class _AbandonedOrbaxTasks(logging.Filter):
@@ -291,6 +302,19 @@ class _AbandonedOrbaxTasks(logging.Filter):
             "never retrieved" in record.getMessage()
             and "orbax" in str(record.msg) + str(record.args)
         )
+
+
+class _FailedSaveLogs(logging.Filter):
+    """Drops Orbax's error records of a failed save, one per thread that saw it (four
+    for a full disk): ``Checkpointer`` raises ``CheckpointSaveError`` for it, whose one
+    line names the step, the folder, the cause and the fix."""
+
+    _SAID = ("raised an exception", "Failed to run", "Save Finalize thread")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        return not any(text in record.getMessage() for text in self._SAID)
 
 
 def os_error(error: BaseException) -> OSError | None:
