@@ -134,14 +134,15 @@ def add_input_options(
 def setup_errors_in_one_line() -> Iterator[None]:
     """A ``ValueError`` while the training input or the run is set up (a dataset too
     large to be resident, a batch larger than the dataset, a workdir holding a run with
-    other settings), or an object-store workdir without its client package or its
-    network, ends the recipe with its message alone: each names the setting and the
-    fix; a traceback would only bury it."""
+    other settings), a ``FileNotFoundError`` (a ``--data-dir`` without the dataset's
+    files: its message lists what was looked for), or an object-store workdir without
+    its client package or its network, ends the recipe with its message alone: each
+    names the setting and the fix; a traceback would only bury it."""
     from meshkit._paths import STORE_PACKAGE_NAMES, StoreUnreachableError
 
     try:
         yield
-    except (ValueError, StoreUnreachableError) as error:
+    except (ValueError, FileNotFoundError, StoreUnreachableError) as error:
         raise SystemExit(str(error)) from None
     except ImportError as error:  # an object-store workdir without its client package
         if error.name not in STORE_PACKAGE_NAMES:
@@ -165,6 +166,18 @@ def run_errors_in_one_line() -> Iterator[None]:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise SystemExit(str(error)) from None
+
+
+def make_mesh(text: str) -> Any:
+    """``--mesh``: ``meshkit.make_mesh(text)``, or the recipe ends with what is wrong
+    with the axes (sizes that do not multiply to the devices, an unknown form) in one
+    line that names the flag."""
+    import meshkit
+
+    try:
+        return meshkit.make_mesh(text)
+    except ValueError as error:
+        raise SystemExit(f"--mesh {text}: {error}") from None
 
 
 RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "summary.json")
@@ -194,6 +207,14 @@ def start_run(
 
     from meshkit import train
 
+    profile = getattr(args, "profile_steps", None)
+    if profile and profile[0] > args.steps:
+        first, count = profile
+        raise SystemExit(
+            f"--profile-steps {first},{count} traces steps {first}-{first + count - 1}, but "
+            f"--steps {args.steps} ends the run before them: choose a first step of at most "
+            f"{args.steps}."
+        )
     with setup_errors_in_one_line():
         train.claim_workdir(args.workdir, writes=run_files, fresh=args.fresh)
         train.write_run_config(args.workdir, args, mesh, resuming=resuming)

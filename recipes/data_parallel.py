@@ -54,6 +54,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    make_mesh,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -126,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model not in MODELS:
         raise SystemExit(f"Unknown --model {args.model!r}; choose one of {sorted(MODELS)}.")
     image_shape = IMAGE_SHAPES[args.model] if args.dataset == "digits" else None
-    train_source, test_source = load_data(args, image_shape)
+    with setup_errors_in_one_line():  # a --data-dir without the dataset's files
+        train_source, test_source = load_data(args, image_shape)
 
-    mesh = meshkit.make_mesh(args.mesh)
+    mesh = make_mesh(args.mesh)
     start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     batch_sharding = meshkit.batch_sharding(mesh)
     rules = meshkit.PartitionRules.fsdp("data") if args.rules == "fsdp" else None

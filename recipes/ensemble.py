@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshkit import data, ensemble, train
     from meshkit.models import MnistCNN
 
-    train_source, test_source = load_data(args)
+    with setup_errors_in_one_line():  # a --data-dir without the dataset's files
+        train_source, test_source = load_data(args)
     try:
         mesh = meshkit.make_mesh(mesh_axes(args.mesh, args.members, jax.device_count()))
         layout = ensemble.EnsembleLayout(mesh, args.members)

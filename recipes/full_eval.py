@@ -28,21 +28,23 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import meshkit
-from recipes._args import recipe_parser, setup_errors_in_one_line
+from recipes._args import make_mesh, recipe_parser, setup_errors_in_one_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = recipe_parser(__doc__, workdir="workdir/full_eval")
+    parser = recipe_parser(__doc__, workdir="workdir/full_eval", progress=True)
     parser.add_argument("--batch-size", type=int, default=64, help="global eval batch size")
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--mesh", default="data=-1")
     return parser.parse_args(argv)
 
 
-def train_model(mesh: Any, steps: int) -> Any:
+def train_model(mesh: Any, steps: int, *, progress: bool = True) -> Any:
     """NormCNN (batch norm, dropout) trained on the 1,437 training digits."""
+    import jax
     import jax.numpy as jnp
     import optax
+    from tqdm import tqdm
 
     from meshkit import data, train
     from meshkit.models import NormCNN
@@ -55,7 +57,8 @@ def train_model(mesh: Any, steps: int) -> Any:
         train.classification_loss, train.state_shardings_of(state), sharding
     )
     with data.GlobalBatchIterator(pipeline) as batches:
-        for _ in range(steps):
+        shown = progress and jax.process_index() == 0
+        for _ in tqdm(range(steps), desc="training", unit="step", disable=not shown):
             state, metrics = step(state, next(batches))
             float(metrics["loss"])  # one step in flight
     return state
@@ -134,10 +137,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import jax
 
-    from meshkit import data
+    from meshkit import data, train
 
-    mesh = meshkit.make_mesh(args.mesh)
-    state = train_model(mesh, args.train_steps)
+    mesh = make_mesh(args.mesh)
+    with setup_errors_in_one_line():  # another run in the workdir, or files not meshkit's
+        train.claim_workdir(args.workdir, writes=("summary.json",))
+    state = train_model(mesh, args.train_steps, progress=not args.no_progress)
     test = data.digits("test").arrays
     summary = {}
     for name, run in methods(state, mesh, test, args.batch_size).items():
@@ -150,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name:<36} {row['examples']:>8}  {row['accuracy']:>8.4f}  {row['compiles']:>8}")
         args.workdir.mkdir(parents=True, exist_ok=True)
         (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"The summary is in {args.workdir / 'summary.json'}")
     return summary
 
 

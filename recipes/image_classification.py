@@ -63,6 +63,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    make_mesh,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     flip = args.flip if args.flip is not None else args.data_dir is not None
 
-    mesh = meshkit.make_mesh(args.mesh)
+    mesh = make_mesh(args.mesh)
     start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     batch_sharding = meshkit.batch_sharding(mesh)
     mean, std = image.IMAGENET_MEAN, image.IMAGENET_STD

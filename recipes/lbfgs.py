@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.workdir.mkdir(parents=True, exist_ok=True)
         summary["plots"] = [str(path) for path in plot(runs, args)]
         (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"The plots and the summary are in {args.workdir}")
         print(json.dumps(summary))
     return summary
 

@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result.describe_choice())
         result.write_json(args.workdir / f"plan_{name}.json")
         result.plot(args.workdir / f"plan_{name}.png")
+        print(f"{name}'s plan and its plot: {args.workdir}/plan_{name}.json and .png")
     return 0
 
 

@@ -42,6 +42,7 @@ from recipes._args import (
     fit_options,
     hyperparameters,
     learning_rate_schedule,
+    make_mesh,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -106,8 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=400)
     parser.add_argument("--sample-prompt", default="The ", help="text the sample starts from")
     add_training_options(parser)
-    parser.set_defaults(lr_schedule="cosine", warmup_steps=60)
-    return parser.parse_args(argv)
+    parser.set_defaults(lr_schedule="cosine", warmup_steps=None)
+    args = parser.parse_args(argv)
+    if args.warmup_steps is None:  # 60 steps, or a twentieth of a shorter run
+        args.warmup_steps = min(60, args.steps // 20)
+    return args
 
 
 def next_token_loss(params: Any, state: Any, batch: Any, rng: Any) -> tuple[Any, Any]:
@@ -276,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     layout = choose_layout(args, module, tx)
     if layout is None:
-        mesh, rules, data_axes = meshkit.make_mesh(args.mesh), RULES, ("data",)
+        mesh, rules, data_axes = make_mesh(args.mesh), RULES, ("data",)
     else:  # the plan's mesh, rules, remat policy and micro-batches
         mesh, data_axes = layout.make_mesh(), layout.data_axes
         rules = layout.rules or meshkit.PartitionRules()

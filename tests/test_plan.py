@@ -604,6 +604,11 @@ def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_expla
             ["--topology", "v5e:2x4"],
             "--topology v5e:2x4 is for the TPU compiler: add --compiler tpu",
         ),
+        (
+            ["--accelerator", "v5e", "--compiler", "tpu", "--topology", "v4:2x2x2"],
+            "--topology v4:2x2x2 is a slice of v4 chips but --accelerator is v5e: pass "
+            "--accelerator v4 or a --topology of v5e chips (e.g. v5e:8x8)",
+        ),
     ],
 )
 def test_a_target_the_command_line_cannot_mean_ends_in_one_line_naming_the_flag(

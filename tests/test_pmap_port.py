@@ -349,8 +349,18 @@ def test_a_bit_flipped_after_the_first_import_is_caught_by_the_digest_file(
     copy.write_bytes(serialization.msgpack_serialize(jax.tree.map(lambda x: x[0], tree)))
     record = tmp_path / "imported.json"
     first = import_flax_checkpoint(str(copy), example_state(), digest_file=record)
-    assert str(copy.resolve()) in json.loads(record.read_text())
+    (entry,) = json.loads(record.read_text())["checkpoints"].values()
+    assert entry["paths"] == [str(copy.resolve())] and entry["name"] == saved.name
     import_flax_checkpoint(str(copy), example_state(), digest_file=record)  # unchanged: fine
+    # The record is of what the file holds, not of what an import used: another ignore=
+    # is the same checkpoint. An intact copy elsewhere is the same content.
+    import_flax_checkpoint(str(copy), example_state(), digest_file=record, ignore=["opt_state"])
+    elsewhere = tmp_path / "elsewhere" / saved.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(copy.read_bytes())
+    import_flax_checkpoint(str(elsewhere), example_state(), digest_file=record)
+    (entry,) = json.loads(record.read_text())["checkpoints"].values()
+    assert entry["paths"] == [str(copy.resolve()), str(elsewhere.resolve())]
     # One bit inside the kernel's bytes: the format has no checksum, so without the
     # record it imports different values without a word.
     data = bytearray(copy.read_bytes())
@@ -366,6 +376,16 @@ def test_a_bit_flipped_after_the_first_import_is_caught_by_the_digest_file(
         r"1 of \d+ arrays differ \(params/Dense_0/kernel\)"
     )
     with pytest.raises(ValueError, match=expected):
+        import_flax_checkpoint(str(copy), example_state(), digest_file=record)
+    # The same damage in a copy at a new path: not known to be that checkpoint, so a
+    # warning that names the one it resembles.
+    damaged = tmp_path / "third" / saved.name
+    damaged.parent.mkdir()
+    damaged.write_bytes(copy.read_bytes())
+    with pytest.warns(UserWarning, match=r"has the name and arrays of the checkpoint imported"):
+        import_flax_checkpoint(str(damaged), example_state(), digest_file=record)
+    record.write_text('{"checkpoints": {')  # a record cut short
+    with pytest.raises(ValueError, match=r"The digest record .*imported\.json is damaged"):
         import_flax_checkpoint(str(copy), example_state(), digest_file=record)
 
 

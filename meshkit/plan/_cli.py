@@ -253,6 +253,13 @@ def _check_target(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         )
     if args.topology and args.compiler != "tpu":
         p.error(f"--topology {args.topology} is for the TPU compiler: add --compiler tpu")
+    chip = (args.topology or "").partition(":")[0]
+    if args.topology and chip != args.accelerator:
+        p.error(
+            f"--topology {args.topology} is a slice of {chip or 'no named'} chips but "
+            f"--accelerator is {args.accelerator}: pass --accelerator {chip} or a "
+            f"--topology of {args.accelerator} chips (e.g. {args.accelerator}:8x8)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

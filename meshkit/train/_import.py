@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from flax import serialization
 
 from meshkit._host import place_global
@@ -59,9 +61,10 @@ def import_flax_checkpoint(
 
     Neither format carries a checksum: a flipped bit in the file imports silently
     different values. ``digest_file`` catches such a change after the first import: the
-    first import records a CRC-32 and an Adler-32 of every array it read there (JSON,
-    one entry per checkpoint), and every later import of that checkpoint compares
-    against it. (meshkit's own checkpoints carry a digest, so once a run has saved one,
+    first import records a CRC-32 and an Adler-32 of every array the file holds (JSON,
+    one entry per content, with the paths it was read from; ``ignore`` changes nothing
+    there), and every later import of that path compares against it. An intact copy
+    elsewhere is recognised by its content; a copy with other values is warned about. (meshkit's own checkpoints carry a digest, so once a run has saved one,
     resume from it rather than importing again.)
 
     Args:
@@ -119,8 +122,9 @@ def import_flax_checkpoint(
     values = {
         key: _unreplicate(key, np.asarray(saved[key]), replicas, wanted[key]) for key in wanted
     }
-    if digest_file is not None:
-        _check_digest(digest_file, where, values)
+    if digest_file is not None:  # all the file holds, whatever this import uses
+        every = {key: value for key, value in _flat(_plain(raw)).items() if value is not None}
+        _check_digest(digest_file, where, every)
     return _place(_from_target(state, _with_leaves(target, values)), state)
 
 
@@ -133,30 +137,85 @@ def _host_digest(values: Mapping[str, Any]) -> dict[str, list[int]]:
     return digest
 
 
-def _check_digest(record: Any, checkpoint: Path, values: Mapping[str, Any]) -> None:
-    """Records the digest of ``values`` as read from ``checkpoint`` in ``record`` (the first
-    import of it), or checks it against the one recorded."""
-    digest = _host_digest(values)
-    key = str(checkpoint.resolve())
+def _check_digest(record: Any, checkpoint: Path, arrays: Mapping[str, Any]) -> None:
+    """Checks ``arrays``, everything ``checkpoint`` holds, against ``record``.
+
+    The record holds one entry per content (a CRC-32 and an Adler-32 of each array),
+    with the paths it was imported from. A path whose recorded content differs now
+    raises; content already recorded under another path (a copy) is fine, and the
+    path is added; a checkpoint of the same name and arrays as a recorded one but
+    other values, at a new path, is warned about (a damaged copy, or another run's
+    checkpoint); anything else is recorded (by process 0).
+    """
+    digest = _host_digest(arrays)
+    here = str(checkpoint.resolve())
     record = as_path(record)
-    held = json.loads(record.read_text()) if record.exists() else {}
-    if key not in held:
-        if jax.process_index() == 0:
-            held[key] = digest
-            record.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(record, json.dumps(held, indent=1) + "\n")
-        return
-    differ = sorted(
-        k for k in held[key].keys() | digest.keys() if held[key].get(k) != digest.get(k)
-    )
-    if differ:
+    entries = _read_record(record)
+    same = _content_id(digest)
+    before = next((e for e in entries.values() if here in e["paths"]), None)
+    if before is not None and before["arrays"] != digest:
+        differ = sorted(
+            k
+            for k in before["arrays"].keys() | digest.keys()
+            if before["arrays"].get(k) != digest.get(k)
+        )
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise ValueError(
             f"{checkpoint} no longer holds what its first import read (recorded in {record}): "
             f"{len(differ)} of {len(digest)} arrays differ ({shown}). Its format has no "
             "checksum, so this record is how the change shows: copy the checkpoint again from "
-            f"where it was written, or delete its entry from {record} to accept the new values."
+            f"where it was written (a copy anywhere is checked against this record), or "
+            f"delete {record} to accept the new values."
         )
+    if same not in entries:
+        _warn_if_like(entries, checkpoint, digest)
+    entry = entries.setdefault(same, {"name": checkpoint.name, "arrays": digest, "paths": []})
+    if here in entry["paths"]:
+        return
+    entry["paths"].append(here)
+    if jax.process_index() == 0:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(record, json.dumps({"checkpoints": entries}, indent=1) + "\n")
+
+
+def _read_record(record: epath.Path) -> dict[str, dict[str, Any]]:
+    """The record's entries by content (an earlier layout, by path, is converted)."""
+    if not record.exists():
+        return {}
+    try:
+        held = json.loads(record.read_text())
+        if "checkpoints" in held:
+            return held["checkpoints"]
+        return {  # the earlier layout: {path: {array: [crc, adler]}}
+            _content_id(arrays): {"name": Path(path).name, "arrays": arrays, "paths": [path]}
+            for path, arrays in held.items()
+        }
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"The digest record {record} is damaged ({type(error).__name__}: {error}): "
+            "delete it, and the next import records its checkpoint again."
+        ) from None
+
+
+def _content_id(digest: Mapping[str, list[int]]) -> str:
+    """One name for a checkpoint's content: a CRC-32 of its arrays' sorted digests."""
+    return f"{zlib.crc32(json.dumps(sorted(digest.items())).encode()):08x}"
+
+
+def _warn_if_like(
+    entries: Mapping[str, Mapping[str, Any]], checkpoint: Path, digest: Mapping[str, list[int]]
+) -> None:
+    for entry in entries.values():
+        if entry["name"] == checkpoint.name and entry["arrays"].keys() == digest.keys():
+            differ = [k for k in digest if entry["arrays"][k] != digest[k]]
+            warnings.warn(
+                f"{checkpoint} has the name and arrays of the checkpoint imported from "
+                f"{entry['paths'][0]} (recorded in the digest record), but {len(differ)} of "
+                f"{len(digest)} arrays hold other values ({', '.join(differ[:3])}): if it is "
+                "a copy of that one, the copy is damaged; if it is another run's, ignore this.",
+                stacklevel=4,
+            )
+            return
 
 
 def _read(path: str, step: int | None) -> tuple[Any, Path]:
