@@ -130,6 +130,9 @@ def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
     import importlib
 
     parse_args = importlib.import_module(f"recipes.{recipe}").parse_args
+    if recipe == "transformer_lm":  # its warm-up default follows a short run's --steps
+        assert parse_args(["--steps", "5"]).warmup_steps == 0
+        assert parse_args([]).warmup_steps == 60
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"])
     assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err

@@ -608,6 +608,34 @@ def test_a_member_that_diverges_is_frozen_and_the_sweep_goes_on(tmp_path: Path, 
 
 
 @pytest.mark.once
+def test_a_member_whose_loss_never_fell_did_not_learn_and_is_never_best():
+    def ended(trial_id: int, initial: float, loss: float, accuracy: float) -> sweep.Trial:
+        trial = sweep.Trial(trial_id, trial_id, {"learning_rate": 10.0**-trial_id}, None, 0)
+        trial.initial_loss = initial
+        trial.record(20, accuracy, {"loss": loss, "accuracy": accuracy})
+        trial.finish(20)
+        return trial
+
+    # At chance after a rate too high (the loss flat at ln 10, above its start), then a
+    # member that learned, then one whose loss fell by less than 1%.
+    trials = [
+        ended(0, 2.301, 2.3026, 0.0889),
+        ended(1, 2.301, 0.35, 0.95),
+        ended(2, 2.3, 2.29, 0.1),
+    ]
+    assert [t.status for t in trials] == ["did not learn", "finished", "did not learn"]
+    result = sweep.SweepResult(
+        trials=trials, slots=[0, 1, 2], state=None, metric="accuracy", mode="max", step=20,
+        workdir=".", train_step_compiles=1,
+    )  # fmt: skip
+    assert result.best.id == 1 and [t.id for t in result.ranked()] == [1, 2, 0]
+    assert "did not learn" in result.table().splitlines()[2]
+    result.trials = [trials[0], trials[2]]
+    with pytest.raises(ValueError, match=r"No trial of the sweep learned: .*Try smaller"):
+        _ = result.best
+
+
+@pytest.mark.once
 def test_pbt_replaces_a_diverged_member_and_halving_skips_it():
     """A diverged trial's last finite score is history: decisions rank it last."""
     trials = [sweep.Trial(k, k, {"learning_rate": 0.1}, None, 0) for k in range(4)]

@@ -247,6 +247,14 @@ def test_processes_choose_one_chunk_size_for_auto_from_the_slowest_measurement(t
         (["--model", "resnet"], "Unknown --model 'resnet'"),
         (["--dataset", "mnist", "--data-dir", "/nonexistent"], "Looked for:"),
         (["--dataset", "mnist"], "pass --data-dir"),
+        (
+            ["--mesh", "data=3"],
+            "--mesh data=3: Mesh axes {'data': 3} multiply to 3 devices, but 8 devices are",
+        ),
+        (
+            ["--profile-steps", "10,5", "--steps", "5"],
+            "--profile-steps 10,5 traces steps 10-14, but --steps 5 ends the run before them",
+        ),
     ],
 )
 def test_recipe_bad_input_is_explained(args, message, tmp_path):
@@ -259,3 +267,4 @@ def test_recipe_bad_input_is_explained(args, message, tmp_path):
     )
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-1500:]
+    assert "Traceback" not in out.stderr, out.stderr[-1500:]  # the message, no traceback

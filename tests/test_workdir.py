@@ -104,3 +104,30 @@ def test_a_workdir_an_older_meshkit_wrote_is_taken_as_its_own(tmp_path: Path):
     (tmp_path / "summary.json").write_text("{}")
     with claimed(tmp_path):
         assert (tmp_path / MARKER).exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.once(8)  # the multi-process pass (which starts with 8 devices)
+def test_two_processes_take_a_workdir_once_and_are_refused_together(tmp_path: Path):
+    """Process 0 takes the lock and tells process 1 the outcome (a collective), so both
+    stop at the same point with the same line, and it is the job's last."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        command = ["-m", "recipes.data_parallel", "--workdir", str(tmp_path), "--steps", "2"]
+        out = subprocess.run(
+            [sys.executable, "-m", "meshkit.launch", "-n", "2", "-d", "4", "--", sys.executable,
+             *command],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lines = (out.stdout + out.stderr).strip().splitlines()  # the tasks' lines, prefixed
+    assert out.returncode == 1, lines[-20:]
+    refusals = [line for line in lines if "is in use by another run" in line]
+    assert {line[:4] for line in refusals} == {"[0] ", "[1] "}, lines[-20:]
+    assert all(f"pid {holder.pid} on " in line for line in refusals), refusals
+    assert lines[-1] in refusals, lines[-20:]

@@ -39,6 +39,11 @@ def format_table(
     )
 
 
+LEARNED = 0.99
+"""A trial finishes as ``"did not learn"`` where its evaluation loss at the end is not
+below this share of its loss as initialised."""
+
+
 @dataclasses.dataclass
 class Trial:
     """One point trained in one slot, from ``start`` to ``end``.
@@ -50,13 +55,16 @@ class Trial:
       parent: the trial it copied its state from (population-based training), or ``None``.
       start: the step it began at.
       end: the step it ended at, or ``None`` while it trains.
-      status: ``"training"``, ``"finished"``, ``"stopped"`` (halving froze it),
+      status: ``"training"``, ``"finished"``, ``"did not learn"`` (it ended with an
+        evaluation loss no lower than ``LEARNED`` of its loss as initialised: at
+        chance, or gone flat after a rate too high), ``"stopped"`` (halving froze it),
         ``"diverged"`` (its loss or gradients stopped being finite at step ``end``; it
         was frozen and keeps the scores it had) or ``"replaced"`` (its slot went to
         another trial).
       history: its score at each evaluation, ``(step, score)`` (a copy inherits its
         parent's).
       metrics: its member metrics at its last evaluation.
+      initial_loss: its evaluation loss as initialised (a copy: its donor's), or NaN.
     """
 
     id: int
@@ -68,6 +76,7 @@ class Trial:
     status: str = "training"
     history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    initial_loss: float = math.nan
 
     def record(self, step: int, score: float, metrics: dict[str, float]) -> None:
         self.history.append((step, score))
@@ -77,7 +86,10 @@ class Trial:
         return self.history[-1][1] if self.history else math.nan
 
     def finish(self, step: int) -> None:
-        self.end, self.status = step, "finished"
+        """Ends it at ``step``: finished, or did not learn (see ``LEARNED``)."""
+        loss = self.metrics.get("loss", math.nan)
+        stuck = loss >= LEARNED * self.initial_loss  # False where either is NaN
+        self.end, self.status = step, "did not learn" if stuck else "finished"
 
     def stop(self, step: int) -> None:
         self.end, self.status = step, "stopped"
@@ -135,6 +147,12 @@ class SweepResult:
     def best(self) -> Trial:
         """The finished trial with the best score."""
         ranked = self.ranked()
+        if ranked and ranked[0].status == "did not learn":
+            raise ValueError(
+                f"No trial of the sweep learned: each ended with an evaluation loss no "
+                f"lower than {LEARNED:.0%} of its loss as initialised. Try smaller learning "
+                "rates (or more steps)."
+            )
         if not ranked or ranked[0].status != "finished":
             raise ValueError(
                 "The sweep has no finished trial (it was interrupted): rerun run_sweep with "
@@ -194,6 +212,7 @@ class SweepResult:
                     "start": t.start,
                     "end": t.end,
                     "metrics": t.metrics,
+                    "initial_loss": t.initial_loss,
                     "history": [list(h) for h in t.history],
                 }
                 for t in self.ranked()

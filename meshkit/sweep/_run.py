@@ -271,7 +271,9 @@ def _run(
     }
     ends = (*(() if schedule is None else schedule.boundaries(num_steps)), num_steps)
 
-    trials = [Trial(k, k, dict(p), None, 0) for k, p in enumerate(checked)]
+    # Each member as initialised: where its loss ends no lower, it did not learn.
+    initial = _member_losses(full_eval(score_fn, state, evaluation.pipeline).metrics, len(checked))
+    trials = [Trial(k, k, dict(p), None, 0, initial_loss=initial[k]) for k, p in enumerate(checked)]
     slots = list(range(len(checked)))  # the trial each slot trains
     current = list(checked)
     active = np.ones(len(checked), bool)
@@ -482,6 +484,11 @@ def _changes(before: Mapping[str, Value], after: Mapping[str, Value]) -> str:
     )
 
 
+def _member_losses(measured: Mapping[str, float], members: int) -> list[float]:
+    """Each member's evaluation loss (NaN where the evaluation reports none)."""
+    return [float(measured.get(f"member_{k}/loss", math.nan)) for k in range(members)]
+
+
 def _member_metrics(measured: Mapping[str, float], slot: int) -> dict[str, float]:
     prefix = f"member_{slot}/"
     return {k[len(prefix) :]: float(v) for k, v in measured.items() if k.startswith(prefix)}
@@ -501,7 +508,9 @@ def _apply(
         donor = int(decision.source[slot])
         parent = None if decision.refresh[slot] else slots[donor]
         trial = Trial(len(trials), slot, dict(decision.points[slot]), parent, step)
-        if parent is not None:  # a copy continues its donor's scores
+        # A copy continues its donor's scores; a fresh start is judged by the slot's first.
+        trial.initial_loss = trials[slots[slot] if parent is None else parent].initial_loss
+        if parent is not None:
             trial.history = list(trials[parent].history)
             trial.metrics = dict(trials[parent].metrics)
         trials.append(trial)
