@@ -64,8 +64,9 @@ def import_flax_checkpoint(
     first import records a CRC-32 and an Adler-32 of every array the file holds (JSON,
     one entry per content, with the paths it was read from; ``ignore`` changes nothing
     there), and every later import of that path compares against it. An intact copy
-    elsewhere is recognised by its content; a copy with other values is warned about. (meshkit's own checkpoints carry a digest, so once a run has saved one,
-    resume from it rather than importing again.)
+    elsewhere is recognised by its content; a copy with other values is warned about.
+    (meshkit's own checkpoints carry a digest, so once a run has saved one, resume from
+    it rather than importing again.)
 
     Args:
       path: the directory ``save_checkpoint`` wrote into (the newest
