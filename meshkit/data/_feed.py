@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from meshkit._batch import place_local_rows, place_stacked_rows, stacked_sharding
 from meshkit.data._ahead import PlacedAhead, places_in_thread
 from meshkit.data._pipeline import EvalPipeline, TrainPipeline
+from meshkit.data._resident import ResidentData
 
 BLOCK_STEPS = 512
 """Steps of resident indices placed at once (at least the largest chunk)."""
@@ -110,8 +111,13 @@ class Feed:
     @property
     def batch_of(self) -> Callable[[Any, Any], Any]:
         """``batch_of(data, x) -> batch`` inside the step program."""
-        resident = getattr(self.pipeline, "resident_data", None)
+        resident = self._resident_data()
         return whole_batch if resident is None else resident.gather
+
+    def _resident_data(self) -> ResidentData | None:
+        """The dataset on the devices where this feed gathers from it (``None``: host
+        input); placed on first use, which counts as start-up."""
+        return getattr(self.pipeline, "resident_data", None) if self.resident else None
 
     def next(self, steps: int) -> tuple[Any, Any, int]:
         """``(data, xs, offset)`` for the next ``steps`` steps; the data state moves past them."""
@@ -145,7 +151,7 @@ class Feed:
     def _resident(self, steps: int) -> tuple[Any, Any, int]:
         pipeline = self.pipeline
         assert isinstance(pipeline, TrainPipeline)
-        resident = pipeline.resident_data  # placed on first use: part of the start-up
+        resident = self._resident_data()
         assert resident is not None
         offset = self.step - self._block_start
         if self._block is None or offset < 0 or offset + steps > self._block_steps:
@@ -211,7 +217,7 @@ class Feed:
 
     def describe(self) -> str:
         """How input reaches the devices, for a run's summary."""
-        resident = getattr(self.pipeline, "resident_data", None) if self.resident else None
+        resident = self._resident_data()
         if resident is not None:
             return resident.describe()
         return "host, placed by a thread" if self.in_thread else "host"

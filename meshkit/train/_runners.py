@@ -153,8 +153,7 @@ class StepProgram:
         steps: int,
     ) -> tuple[Any, Interval, Closed]:
         data, xs, offset = inputs
-        key = 0 if self.loop == "counted" else steps
-        program = self._programs.get(key) or self._build(state, data, xs, steps)
+        program = self._programs.get(self._key(steps)) or self._build(state, data, xs, steps)
         start = self.zeros if interval is None else interval
         state, carried, rows = program(state, start, data, xs, at(offset, first, steps))
         closing: list[tuple[int | None, int]] = [
@@ -185,8 +184,13 @@ class StepProgram:
             batch_of=batch_of,
             log_every=self.log_every,
         )
-        self._programs[0 if counted else steps] = program
+        self._programs[self._key(steps)] = program
         return program
+
+    def _key(self, steps: int) -> int:
+        """Where the program of ``steps`` steps is kept: one for every count on a
+        counted loop (0), one per count otherwise."""
+        return 0 if self.loop == "counted" else steps
 
     @property
     def layout(self) -> MetricLayout:
