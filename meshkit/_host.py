@@ -110,3 +110,22 @@ def to_host(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
     return jax.tree.map(get, tree)
+
+
+def text_row(text: str, size: int) -> np.ndarray:
+    """``text`` as ``size`` bytes (cut, or padded with zeros) for a collective between
+    processes, which exchanges arrays of one shape; ``row_text`` reads it back.
+
+    Examples:
+        >>> row_text(text_row("step 4 is damaged", 32))
+        'step 4 is damaged'
+    """
+    row = np.zeros(size, np.uint8)
+    encoded = text.encode()[:size]
+    row[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    return row
+
+
+def row_text(row: np.ndarray) -> str:
+    """The text of a ``text_row`` (``""`` for a row of zeros)."""
+    return bytes(np.asarray(row, np.uint8)).rstrip(b"\0").decode(errors="replace")

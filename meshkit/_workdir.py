@@ -31,10 +31,10 @@ import warnings
 from collections.abc import Collection, Iterator
 
 import jax
-import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from meshkit._host import row_text, text_row
 from meshkit._paths import PathLike, as_path, check_store_packages, is_remote
 
 MARKER = ".meshkit-run"
@@ -253,8 +253,4 @@ def _from_process_0(problem: str) -> str:
     """Process 0's ``problem`` on every process (the same string where there is one)."""
     if jax.process_count() == 1:
         return problem
-    encoded = np.zeros(_MESSAGE_BYTES, np.uint8)
-    text = problem.encode()[:_MESSAGE_BYTES]
-    encoded[: len(text)] = np.frombuffer(text, np.uint8)
-    shared = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
-    return bytes(shared.astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+    return row_text(multihost_utils.broadcast_one_to_all(text_row(problem, _MESSAGE_BYTES)))

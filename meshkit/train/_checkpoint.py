@@ -15,6 +15,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from meshkit._host import row_text, text_row
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
 from meshkit.train._digest import checkpoint_damage
@@ -95,14 +96,11 @@ def _agreed_damage(damage: str) -> str:
     """
     if jax.process_count() == 1:
         return damage
-    encoded = np.zeros(_DAMAGE_BYTES, np.uint8)
-    text = damage.encode()[:_DAMAGE_BYTES]
-    encoded[: len(text)] = np.frombuffer(text, np.uint8)
-    found = np.asarray(multihost_utils.process_allgather(encoded))
+    found = np.asarray(multihost_utils.process_allgather(text_row(damage, _DAMAGE_BYTES)))
     first = next((i for i, row in enumerate(found) if row.any()), None)
     if first is None:
         return ""
-    described = bytes(found[first]).rstrip(b"\0").decode(errors="replace")
+    described = row_text(found[first])
     count, total = int(found.any(axis=1).sum()), jax.process_count()
     return f"{described} (process {first}'s finding; {count} of {total} processes found damage)"
 
