@@ -245,7 +245,7 @@ def test_processes_choose_one_chunk_size_for_auto_from_the_slowest_measurement(t
     [
         (["--batch-size", "12"], "Global batch size 12 must be a positive multiple of the 8"),
         (["--model", "resnet"], "Unknown --model 'resnet'"),
-        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "Looked for:"),
+        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent does not exist."),
         (["--dataset", "mnist"], "pass --data-dir"),
         (
             ["--mesh", "data=3"],

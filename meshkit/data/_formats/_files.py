@@ -107,14 +107,16 @@ def _find_idx_files(data_dir: Path, split: str, dataset: str) -> tuple[Path, Pat
     }
     missing = [kind for kind, path in found.items() if path is None]
     if missing:
-        looked = "\n".join(f"  {path}" for kind in missing for path in candidates[kind])
         name = _MNIST_NAMES[dataset]
+        expected = " and ".join(candidates[kind][0].name for kind in missing)
         raise FileNotFoundError(
-            f"{name} {split} {' and '.join(missing)} not found. Looked for:\n{looked}\n"
-            f"Download the four {name} IDX files (train-images-idx3-ubyte, "
-            "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, "
-            f"gzipped or not) from the dataset's homepage and put them in {data_dir} "
-            "(--data-dir)."
+            f"{name} {split} {' and '.join(missing)} not found: "
+            + _absent(
+                data_dir,
+                f"{expected} (gzipped or not, or dotted: {candidates[missing[0]][2].name})",
+            )
+            + f". Download the four {name} IDX files from the dataset's homepage into "
+            f"{data_dir} (--data-dir)."
         )
     images_path, labels_path = found["images"], found["labels"]
     assert images_path is not None and labels_path is not None
@@ -155,7 +157,7 @@ def mnist(data_dir: str | Path, split: Literal["train", "test"]) -> ArraySource:
         for MNIST) and ``"label"`` int32.
 
     Raises:
-        FileNotFoundError: A file is missing; the message lists every path tried.
+        FileNotFoundError: A file is missing; the message names it and the folder.
         ValueError: A file is corrupt, truncated, or the counts differ.
 
     Examples:
@@ -184,8 +186,8 @@ def fashion_mnist(data_dir: str | Path, split: Literal["train", "test"]) -> Arra
         >>> try:
         ...     fashion_mnist(tempfile.mkdtemp(), "train")
         ... except FileNotFoundError as error:
-        ...     print(str(error).splitlines()[0])
-        Fashion-MNIST train images and labels not found. Looked for:
+        ...     print(str(error).split(":")[0])
+        Fashion-MNIST train images and labels not found
     """
     return _read_idx_pair(data_dir, split, "fashion_mnist")
 
@@ -196,14 +198,19 @@ def _find_cifar_files(data_dir: Path, subdir: str, names: list[str], title: str)
     for folder in folders:
         if all((folder / name).is_file() for name in names):
             return [folder / name for name in names]
-    looked = "\n".join(f"  {folder / name}" for folder in folders for name in names)
     archive = "cifar-10-python" if title == "CIFAR-10" else "cifar-100-python"
-    together = f" (all of {', '.join(names)} must sit in one folder)" if len(names) > 1 else ""
     raise FileNotFoundError(
-        f"{title} {', '.join(names)} not found{together}. Looked for:\n{looked}\n"
-        f"Download the {title} python version ({archive}.tar.gz) "
-        f"from the dataset's homepage and extract it into {data_dir} (--data-dir)."
+        f"{title} {', '.join(names)} not found: "
+        + _absent(data_dir, f"such file{'s' * (len(names) > 1)}, nor does its {subdir}/ folder")
+        + ". Download the "
+        f"{title} python version ({archive}.tar.gz) from the dataset's homepage and extract "
+        f"it into {data_dir} (--data-dir)."
     )
+
+
+def _absent(data_dir: Path, what: str) -> str:
+    """What a missing-file message says of the folder: that it does not exist, or lacks ``what``."""
+    return f"{data_dir} holds no {what}" if data_dir.is_dir() else f"{data_dir} does not exist"
 
 
 def _unpickle(path: Path, keys: tuple[bytes, ...]) -> dict[bytes, object]:
