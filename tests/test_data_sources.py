@@ -215,7 +215,8 @@ def test_cifar_missing_files_name_the_files_and_both_folders(tmp_path):
         cifar10(tmp_path, "train")
     names = ", ".join(f"data_batch_{i}" for i in range(1, 6))
     assert str(info.value).startswith(
-        f"CIFAR-10 {names} not found: {tmp_path} holds no such files, nor does its cifar-10-batches-py/ folder."
+        f"CIFAR-10 {names} not found: {tmp_path} holds no such files, "
+        "nor does its cifar-10-batches-py/ folder."
     )
     assert "cifar-10-python.tar.gz" in str(info.value)
     with pytest.raises(FileNotFoundError, match=r"cifar-100-python\.tar\.gz") as info:
