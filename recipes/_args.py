@@ -135,17 +135,15 @@ def setup_errors_in_one_line() -> Iterator[None]:
     """A ``ValueError`` while the training input or the run is set up (a dataset too
     large to be resident, a batch larger than the dataset, a workdir holding a run with
     other settings), a ``FileNotFoundError`` (a ``--data-dir`` without the dataset's
-    files: its message lists what was looked for), or an object-store workdir without
-    its client package or its network, ends the recipe with its message alone: each
+    files: its message names them), or an object-store workdir without its client
+    package (gcsfs, s3fs) or its network, ends the recipe with its message alone: each
     names the setting and the fix; a traceback would only bury it."""
-    from meshkit._paths import STORE_PACKAGE_NAMES, StoreUnreachableError
-
     try:
         yield
-    except (ValueError, FileNotFoundError, StoreUnreachableError) as error:
+    except (ValueError, FileNotFoundError, ConnectionError) as error:
         raise SystemExit(str(error)) from None
     except ImportError as error:  # an object-store workdir without its client package
-        if error.name not in STORE_PACKAGE_NAMES:
+        if error.name not in ("gcsfs", "s3fs"):
             raise
         raise SystemExit(str(error)) from None
 

@@ -28,12 +28,10 @@ Train with a chosen layout: ``python -m recipes.transformer_lm --layout PLAN.jso
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from typing import Any, get_args
 
-from meshkit._libtpu import cuda_plugin_installed
 from meshkit.models import RematPolicy, llama_architecture
 from recipes._args import recipe_parser
 
@@ -107,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshkit import plan
 
-    tpu = importlib.util.find_spec("libtpu") is not None
-    gpu = cuda_plugin_installed()
+    compilers = plan.installed_compilers()
+    tpu, gpu = "tpu" in compilers, "gpu" in compilers
     for name in targets:
         spec = TARGETS[name]
         on_tpu = tpu and spec["accelerator"] == "v5e"

@@ -11,6 +11,7 @@ from meshkit.plan._accelerators import Accelerator as Accelerator
 from meshkit.plan._cli import plan_in_subprocess as plan_in_subprocess
 from meshkit.plan._layout import Layout as Layout
 from meshkit.plan._layout import Target as Target
+from meshkit.plan._layout import installed_compilers as installed_compilers
 from meshkit.plan._layout import load_layout as load_layout
 from meshkit.plan._measure import Measurement as Measurement
 from meshkit.plan._measure import Workload as Workload

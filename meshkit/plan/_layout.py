@@ -220,6 +220,23 @@ XLA_CPU_MAX_DEVICES = 2048
 """The most devices one XLA:CPU program may span (2049 fails to compile, jax 0.10.2)."""
 
 
+def installed_compilers() -> tuple[str, ...]:
+    """The compilers a :class:`Target` can name on this machine: ``"cpu"`` always,
+    ``"tpu"`` where libtpu is installed (``meshkit[tpu]``), ``"gpu"`` where JAX's CUDA
+    plugin is (``meshkit[gpu-plan]``); neither needs the chips themselves.
+
+    Examples:
+        >>> installed_compilers()[0]
+        'cpu'
+    """
+    import importlib.util
+
+    from meshkit._libtpu import cuda_plugin_installed
+
+    tpu = importlib.util.find_spec("libtpu") is not None
+    return ("cpu", *("tpu",) * tpu, *("gpu",) * cuda_plugin_installed())
+
+
 def target_devices(target: Target) -> list[Any]:
     """Devices that stand in for the target's chips, in slice order.
 
