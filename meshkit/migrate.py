@@ -61,9 +61,9 @@ CALLS: dict[str, str] = {
     "flax.training.common_utils.get_metrics": "fit's logged interval means, or "
     "meshkit.to_host(metrics)",
     "flax.training.checkpoints.save_checkpoint": "fit's Checkpoints(every=...) or "
-    "meshkit.train.Checkpointer",
+    "meshkit.checkpoint.Checkpointer",
     "flax.training.checkpoints.save_checkpoint_multiprocess": "fit's Checkpoints(every=...) "
-    "or meshkit.train.Checkpointer: every process writes its own shards of the global arrays",
+    "or meshkit.checkpoint.Checkpointer: every process writes its own shards of the global arrays",
     "flax.training.checkpoints.restore_checkpoint": "fit resumes from its workdir; "
     "meshkit.train.import_flax_checkpoint(dir, state) reads the old program's checkpoints",
     "flax.training.dynamic_scale.DynamicScale": "create_train_state(..., precision='f16'): a "

@@ -153,12 +153,12 @@ def run_errors_in_one_line() -> Iterator[None]:
     """Around a recipe's training: what ends a run for a reason outside the program
     (a full disk, a failed save, a non-finite loss, a settings error) ends the recipe
     with its message alone, which names the cause, what was kept and the fix."""
-    from meshkit import train
+    from meshkit import checkpoint, train
 
     try:
         with setup_errors_in_one_line():
             yield
-    except (train.CheckpointSaveError, train.NonFiniteLossError) as error:
+    except (checkpoint.CheckpointSaveError, train.NonFiniteLossError) as error:
         raise SystemExit(str(error)) from None
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):

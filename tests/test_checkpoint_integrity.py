@@ -25,9 +25,9 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from tqdm import tqdm
 
 import meshkit
-from meshkit import data, train
+from meshkit import checkpoint, data, train
+from meshkit.checkpoint._digest import tree_digest
 from meshkit.testing import run_processes
-from meshkit.train._digest import tree_digest
 from meshkit.train._interval import IntervalRead
 from meshkit.train._records import Records
 
@@ -90,7 +90,7 @@ def names(folder: Path) -> list[str]:
 def save_two_steps(directory: Path, mesh, steps: int = 2) -> dict[int, dict[str, np.ndarray]]:
     """Steps 1 and 2 (to ``steps``) of a tree sharded over ``data``; the values saved at each."""
     saved = {}
-    checkpointer = train.Checkpointer(directory, save_every=1, keep=steps + 1)
+    checkpointer = checkpoint.Checkpointer(directory, save_every=1, keep=steps + 1)
     for step in range(1, steps + 1):
         saved[step] = {name: value + step for name, value in values().items() if name != "mask"}
         checkpointer.save(step, placed(saved[step], mesh), {"step": step})
@@ -132,8 +132,8 @@ def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_pat
     saved = save_two_steps(tmp_path, mesh)
     damage(tmp_path / "2", kind)
     target = placed(saved[2], mesh)
-    checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
-    with pytest.raises(train.CheckpointDamagedError, match=DAMAGE[kind]) as info:
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1, keep=3)
+    with pytest.raises(checkpoint.CheckpointDamagedError, match=DAMAGE[kind]) as info:
         checkpointer.restore(target)
     assert info.value.step == 2 and info.value.folder == tmp_path / "2"
     assert f"step 2 in {tmp_path / '2'} is damaged" in str(info.value)
@@ -158,9 +158,10 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     saved = save_two_steps(tmp_path, mesh)
     damage(tmp_path / "2", "bit flip")
     damage(tmp_path / "1", "truncate")
-    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
     with pytest.raises(
-        train.CheckpointDamagedError, match=r"No checkpoint in .* is intact: step 2: .*"
+        checkpoint.CheckpointDamagedError,
+        match=r"No checkpoint in .* is intact: step 2: .*",
     ) as raised:
         checkpointer.resume(placed(saved[2], mesh))
     checkpointer.close()
@@ -168,7 +169,7 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     # The message names each step's damage: no chain of Orbax's tracebacks before it
     # (a recipe printed 168 lines, the error buried in the middle; now 30, it last).
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
-    from meshkit.train._orbax import _abandoned_read
+    from meshkit.checkpoint._orbax import _abandoned_read
 
     read = 'OUT_OF_RANGE: Error reading "params.kernel/0" in OCDBT database at local file'
     assert _abandoned_read(ValueError(read))  # TensorStore's unretrieved futures: silent
@@ -183,8 +184,8 @@ def test_a_deleted_digest_is_damage_and_an_older_checkpoint_restores_with_a_warn
     saved = save_two_steps(tmp_path, mesh)
     target = placed(saved[2], mesh)
     shutil.rmtree(tmp_path / "2" / "digest")
-    checkpointer = train.Checkpointer(tmp_path, save_every=1)
-    with pytest.raises(train.CheckpointDamagedError, match=r"step 2 .* could not be read"):
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
+    with pytest.raises(checkpoint.CheckpointDamagedError, match=r"step 2 .* could not be read"):
         checkpointer.restore(target)
     metadata = tmp_path / "2" / "_CHECKPOINT_METADATA"
     content = json.loads(metadata.read_text())
@@ -211,13 +212,13 @@ def full_disk(monkeypatch):
 
 def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_disk):
     tree = {"w": jnp.ones((8, 8))}
-    checkpointer = train.Checkpointer(tmp_path, save_every=10)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=10)
     checkpointer.save(10, tree, {"step": 10})
     checkpointer.wait()
     full_disk()
     assert checkpointer.save(20, tree, {"step": 20})  # started; fails in the background
     deadline = time.monotonic() + 30
-    with pytest.raises(train.CheckpointSaveError) as info:
+    with pytest.raises(checkpoint.CheckpointSaveError) as info:
         while time.monotonic() < deadline:
             checkpointer.should_save(21)
             time.sleep(0.01)
@@ -232,7 +233,7 @@ def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_di
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert names(tmp_path) == ["10"]  # the partial folder is gone
     checkpointer.close()  # reports nothing twice
-    assert train.Checkpointer(tmp_path, save_every=10).latest_step() == 10
+    assert checkpoint.Checkpointer(tmp_path, save_every=10).latest_step() == 10
 
 
 def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
@@ -260,7 +261,7 @@ def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
         return step(state, batch)
 
     with pytest.raises(
-        train.CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]"
+        checkpoint.CheckpointSaveError, match=r"step 10 in .* failed: \[Errno 28\]"
     ) as info:
         train.fit(
             state, slow_step, pipeline, num_steps=40, workdir=tmp_path,
@@ -272,7 +273,7 @@ def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
 
 
 def test_the_non_finite_message_calls_the_checkpoint_verified_on_resume_not_good(tmp_path):
-    checkpointer = train.Checkpointer(tmp_path, save_every=10)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=10)
     checkpointer.save(10, {"w": jnp.ones(2)}, {"step": 10})
     checkpointer.wait()
     records = Records([], tqdm(disable=True), checkpointer, learning_rate=None)
@@ -302,7 +303,7 @@ def save_damage_resume(directory: str) -> tuple[dict[str, list[int]], int, list[
             damage(Path(directory) / "3", "truncate", process)
         damage(Path(directory) / "2", "truncate", process=0)
     multihost_utils.sync_global_devices("damaged")
-    checkpointer = train.Checkpointer(directory, save_every=1)
+    checkpointer = checkpoint.Checkpointer(directory, save_every=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed = checkpointer.resume(placed(saved[4], mesh))
@@ -328,7 +329,7 @@ def test_two_processes_fall_back_together_whichever_process_finds_the_damage(tmp
         assert f"(process 0's finding; {count} of 2 processes found damage)" in message
         assert "Resuming from step 1" in message
     mesh = meshkit.make_mesh("data=-1")  # this process's own devices: another mesh
-    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
     saved = {name: value + 1 for name, value in values().items() if name != "mask"}
     state, _ = checkpointer.restore(placed(saved, mesh), step=1)  # verified
     checkpointer.close()
@@ -340,9 +341,9 @@ def test_an_edited_data_state_is_damage_and_resume_falls_back(tmp_path):
     saved = save_two_steps(tmp_path, mesh)
     data_file = tmp_path / "2" / "data" / "metadata"  # Orbax's JSON item: {"step": 2}
     data_file.write_text(json.dumps(json.loads(data_file.read_text()) | {"step": 7}))
-    checkpointer = train.Checkpointer(tmp_path, save_every=1, keep=3)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1, keep=3)
     with pytest.raises(
-        train.CheckpointDamagedError,
+        checkpoint.CheckpointDamagedError,
         match=r'its data state \{"step": 7\} differs from the digest saved with it',
     ):
         checkpointer.restore(placed(saved[2], mesh))
@@ -420,7 +421,7 @@ def test_a_full_disk_is_said_in_one_last_line(tmp_path: Path):
     lines = (run.stdout + run.stderr).strip().splitlines()
     assert run.returncode == 1, lines[-20:]
     assert lines[-1].startswith(
-        "meshkit.train._checkpoint.CheckpointSaveError: Saving the checkpoint of step 20 in "
+        "meshkit.checkpoint._checkpointer.CheckpointSaveError: Saving the checkpoint of step 20 in "
     ), lines[-20:]
     assert "failed: No space left on device (or the disk quota is exceeded)." in lines[-1]
     assert "Free space on that file system (or keep fewer checkpoints)" in lines[-1]

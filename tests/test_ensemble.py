@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import meshkit
-from meshkit import data, ensemble, evaluate, train
+from meshkit import checkpoint, data, ensemble, evaluate, train
 from meshkit.ensemble._metrics import member_metric_name
 from meshkit.models import NormCNN
 
@@ -366,7 +366,7 @@ def test_member_batches_give_each_member_its_own_order():
 def test_checkpoint_round_trip_restores_onto_another_layout(tmp_path):
     layout = layout_for(4)
     state, _ = train_ensemble(layout, host_batches(2))
-    checkpointer = train.Checkpointer(tmp_path, save_every=1)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
     checkpointer.save(2, state, {"step": 2})
     checkpointer.wait()
     other = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=1,data=-1"), 4)

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import meshkit
-from meshkit import data, ensemble, evaluate, train
+from meshkit import checkpoint, data, ensemble, evaluate, train
 from meshkit.testing import run_processes, write_mnist
 
 pytestmark = pytest.mark.multiprocess
@@ -69,7 +69,7 @@ def run(
     metrics_fn = ensemble.ensemble_metrics(layout, strategy)  # pyright: ignore[reportArgumentType]
     result = evaluate.full_eval(metrics_fn, state, evaluation)
     if checkpoint_dir is not None:
-        checkpointer = train.Checkpointer(checkpoint_dir, save_every=1)
+        checkpointer = checkpoint.Checkpointer(checkpoint_dir, save_every=1)
         checkpointer.save(STEPS, state, {"step": STEPS})
         checkpointer.close()
     return {
@@ -111,7 +111,7 @@ def test_two_processes_train_and_evaluate_like_one(tmp_path: Path):
     # onto a different layout.
     layout = ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=8"), MEMBERS)
     target = ensemble.abstract_ensemble_state(tiny_model(), optax.sgd(0.1, momentum=0.9), layout)
-    checkpointer = train.Checkpointer(checkpoints, save_every=1)
+    checkpointer = checkpoint.Checkpointer(checkpoints, save_every=1)
     restored, data_state = checkpointer.restore(target)
     checkpointer.close()
     assert data_state == {"step": STEPS}

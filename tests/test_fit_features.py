@@ -17,7 +17,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 import meshkit
-from meshkit import data, train
+from meshkit import checkpoint, data, train
 
 # writers, hooks and profiles; fit's device behaviour is tested elsewhere
 pytestmark = pytest.mark.once
@@ -153,7 +153,9 @@ def test_a_state_trained_elsewhere_continues_from_its_own_step(tmp_path):
     for record in records:
         if "learning_rate" in record:  # the schedule's value at the run's own steps
             assert record["learning_rate"] == whole_records[record["step"]]["learning_rate"]
-    assert train.Checkpointer(tmp_path / "rest" / "checkpoints", save_every=1).latest_step() == 15
+    assert (
+        checkpoint.Checkpointer(tmp_path / "rest" / "checkpoints", save_every=1).latest_step() == 15
+    )
     # The pipeline continued at batch 8: the same run as one never split.
     for got, want in zip(
         jax.tree.leaves(meshkit.to_host(rest.state.params)),
@@ -173,7 +175,10 @@ def test_early_stopping_saves_and_stops_at_the_next_step(tmp_path):
     # max_in_flight + 1 steps later, with a checkpoint of the step it stops at.
     assert result.stopped_early and not result.preempted
     assert 10 < result.step <= 11 + result.max_in_flight
-    assert train.Checkpointer(tmp_path / "checkpoints", save_every=100).latest_step() == result.step
+    assert (
+        checkpoint.Checkpointer(tmp_path / "checkpoints", save_every=100).latest_step()
+        == result.step
+    )
 
 
 def test_profile_steps_write_a_trace(tmp_path):

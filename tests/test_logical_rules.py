@@ -18,7 +18,7 @@ from flax.core import FrozenDict, meta
 from jax.sharding import PartitionSpec as P
 
 import meshkit
-from meshkit import FSDP, PartitionRules
+from meshkit import FSDP, PartitionRules, checkpoint
 from meshkit import train as mtrain
 from meshkit.evaluate._full_eval import _eval_step
 from meshkit.evaluate._steps import per_example_values, zero_totals
@@ -288,7 +288,7 @@ def test_a_checkpoint_on_one_layout_restores_on_another(tmp_path):
     saved = meshkit.to_host(state)
     kernel = state.params["Dense_0"]["kernel"]
     assert kernel.sharding.shard_shape(kernel.shape) == (1, 16)  # 'model' has size 1 here
-    checkpointer = mtrain.Checkpointer(tmp_path, save_every=1)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
     checkpointer.save(1, state, {"step": 1})
     checkpointer.wait()
 

@@ -1,4 +1,5 @@
-"""One seam for Orbax: only ``meshkit.train._orbax`` imports it; one function reads its privates."""
+"""One seam for Orbax: only ``meshkit.checkpoint._orbax`` imports it; one function reads
+its privates."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import meshkit
-from meshkit.train import _orbax
+from meshkit.checkpoint import _orbax
 
 pytestmark = pytest.mark.once  # source structure
 
@@ -80,8 +81,8 @@ def test_only_the_adapter_imports_orbax():
         for path, tree in _sources().items()
         if (names := orbax_imports(tree))
     }
-    assert importers == {"meshkit/train/_orbax.py": ["orbax.checkpoint"]}, (
-        "Orbax is reached through meshkit/train/_orbax.py only: move what touches it there."
+    assert importers == {"meshkit/checkpoint/_orbax.py": ["orbax.checkpoint"]}, (
+        "Orbax is reached through meshkit/checkpoint/_orbax.py only: move what touches it there."
     )
 
 

@@ -307,7 +307,7 @@ def test_a_msgpack_checkpoint_cut_short_is_named(
 def test_a_checkpointer_pointed_at_a_pmap_programs_folder_says_to_import_it(
     pmap_checkpoints: PmapCheckpoints,
 ) -> None:
-    from meshkit.train import Checkpointer
+    from meshkit.checkpoint import Checkpointer
 
     for variant in ("orbax-unreplicated", "msgpack-replicated"):
         checkpointer = Checkpointer(pmap_checkpoints.dirs[variant], save_every=1)

@@ -132,7 +132,10 @@ def test_the_faces_are_found():
     assert {"meshkit.data.image", "meshkit.distributed"} <= set(faces())
     assert set(package_faces()) == {
         "meshkit",
-        *(f"meshkit.{name}" for name in ("data", "ensemble", "evaluate", "lbfgs", "models")),
+        *(
+            f"meshkit.{name}"
+            for name in ("checkpoint", "data", "ensemble", "evaluate", "lbfgs", "models")
+        ),
         *(f"meshkit.{name}" for name in ("plan", "sweep", "testing", "train")),
     }
 

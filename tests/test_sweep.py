@@ -17,7 +17,7 @@ import scipy.stats
 from flax import nnx
 
 import meshkit
-from meshkit import data, ensemble, sweep, train
+from meshkit import checkpoint, data, ensemble, sweep, train
 from meshkit.sweep import _run
 from meshkit.sweep._schedules import halving_decision, pbt_decision
 from meshkit.sweep._space import check_points
@@ -420,7 +420,7 @@ def test_a_killed_pbt_sweep_resumes_to_the_same_table(tmp_path: Path, monkeypatc
     hyper = json.loads((saved / "hyperparameters.json").read_text())
     assert hyper["hyperparameters"] == best.point and hyper["trial"] == best.id
     target = whole.best_state()
-    restored, data_state = train.Checkpointer(saved, save_every=1).restore(target)
+    restored, data_state = checkpoint.Checkpointer(saved, save_every=1).restore(target)
     assert data_state == {"step": STEPS}
     for got, want in zip(
         jax.tree.leaves(meshkit.to_host(restored.params)),

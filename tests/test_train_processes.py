@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import meshkit
-from meshkit import data, train
+from meshkit import checkpoint, data, train
 from meshkit.models import NormCNN
 from meshkit.testing import run_processes, start_processes
 
@@ -77,7 +77,7 @@ def final_params(workdir: Path) -> list[np.ndarray]:
     mesh = meshkit.make_mesh("data=-1")
     model = train.linen_model(NormCNN(), jnp.zeros((1, 8, 8, 1)))
     target = train.create_train_state(model, optax.sgd(0.05, momentum=0.9), mesh)
-    checkpointer = train.Checkpointer(workdir / "checkpoints", save_every=1)
+    checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", save_every=1)
     state, _ = checkpointer.restore(target)
     checkpointer.close()
     return [np.asarray(leaf) for leaf in jax.tree.leaves(meshkit.to_host(state))]

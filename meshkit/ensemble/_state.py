@@ -69,7 +69,7 @@ def abstract_ensemble_state(
     """The ensemble state's shapes, dtypes and shardings, without any FLOPs.
 
     Every leaf is a ``jax.ShapeDtypeStruct`` with a leading member axis and the
-    layout's ``state_sharding``: a restore target for ``meshkit.train.Checkpointer``
+    layout's ``state_sharding``: a restore target for ``meshkit.checkpoint.Checkpointer``
     that needs no state in memory.
 
     Examples:

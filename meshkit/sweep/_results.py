@@ -175,7 +175,7 @@ class SweepResult:
         ``Checkpointer(directory, save_every=1).restore(target)``) and
         ``hyperparameters.json``; ``directory`` defaults to ``workdir/best``. Returns it.
         """
-        from meshkit.train import Checkpointer
+        from meshkit.checkpoint import Checkpointer
 
         target = as_path(directory if directory is not None else self.workdir / "best")
         state = self.best_state()

@@ -5,9 +5,6 @@ from meshkit._runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CO
 from meshkit._runtime.preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit._workdir import WorkdirError as WorkdirError
 from meshkit._workdir import claim_workdir as claim_workdir
-from meshkit.train._checkpoint import CheckpointDamagedError as CheckpointDamagedError
-from meshkit.train._checkpoint import Checkpointer as Checkpointer
-from meshkit.train._checkpoint import CheckpointSaveError as CheckpointSaveError
 from meshkit.train._config import write_run_config as write_run_config
 from meshkit.train._gradients import Gradients as Gradients
 from meshkit.train._gradients import LossFn as LossFn

@@ -239,7 +239,7 @@ def _read(path: str, step: int | None) -> tuple[Any, Path]:
         where = Path(chosen)
     if where.is_file():  # the msgpack format of flax before Orbax
         return _read_msgpack(where, checkpoints), where
-    from meshkit.train._orbax import read_pytree_as_numpy
+    from meshkit.checkpoint._orbax import read_pytree_as_numpy
 
     return read_pytree_as_numpy(where), where
 

@@ -22,8 +22,9 @@ from meshkit._paths import PathLike
 from meshkit._runtime import PreemptionWatcher, StallWatch
 from meshkit._types import Batch, Metrics
 from meshkit._workdir import claimed
+from meshkit.checkpoint._checkpointer import Checkpointer, Restored
+from meshkit.checkpoint._orbax import disk_full
 from meshkit.data import TrainPipeline
-from meshkit.train._checkpoint import Checkpointer, Restored
 from meshkit.train._chunks import (
     TIMED_STEPS,
     WARM_STEPS,
@@ -37,7 +38,6 @@ from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
 from meshkit.train._interval import Interval
 from meshkit.train._label_diagnosis import labels_outside_classes
-from meshkit.train._orbax import disk_full
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
 from meshkit.train._runners import Closed, PlainSteps, StepProgram, runner

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from meshkit.train._checkpoint import Checkpointer
+from meshkit.checkpoint._checkpointer import Checkpointer
 from meshkit.train._interval import WATCHED, IntervalRead
 from meshkit.train._writers import MetricWriter
 

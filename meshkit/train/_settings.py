@@ -19,9 +19,9 @@ from meshkit._checks import check_int
 from meshkit._inflight import InFlight
 from meshkit._paths import PathLike, as_path
 from meshkit._types import PerExampleFn
+from meshkit.checkpoint._checkpointer import Checkpointer
 from meshkit.data import EvalPipeline
 from meshkit.evaluate import full_eval
-from meshkit.train._checkpoint import Checkpointer
 from meshkit.train._records import LearningRate
 from meshkit.train._step import classification_metrics
 from meshkit.train._writers import MetricWriter

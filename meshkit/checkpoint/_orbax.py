@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from meshkit.train._digest import checkpoint_digest
+from meshkit.checkpoint._digest import checkpoint_digest
 
 TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a step still being written
 

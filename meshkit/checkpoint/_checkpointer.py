@@ -18,8 +18,8 @@ from jax.experimental import multihost_utils
 from meshkit._host import row_text, text_row
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
-from meshkit.train._digest import checkpoint_damage
-from meshkit.train._orbax import (
+from meshkit.checkpoint._digest import checkpoint_damage
+from meshkit.checkpoint._orbax import (
     Storage,
     disk_full,
     os_error,
