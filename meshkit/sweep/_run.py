@@ -249,20 +249,16 @@ def _run(
     dispatch: Dispatch | None,
 ) -> SweepResult:
     evaluation, score_fn = _checked_evaluation(sweep, evaluation)
-    layout, metric, mode, schedule, seed = (
-        sweep.layout,
-        sweep.metric,
-        sweep.mode,
-        sweep.schedule,
-        sweep.seed,
-    )
+    metric, schedule = sweep.metric, sweep.schedule
     checked = check_points(sweep.points)
     state = sweep.initial_state()
     _check_pipeline(pipeline, checked)
     names = tuple(name for name in checked[0] if name not in SEED_NAMES)  # checked above
-    _record(workdir, points=checked, schedule=schedule, metric=metric, mode=mode, seed=seed)
+    _record(
+        workdir, points=checked, schedule=schedule, metric=metric, mode=sweep.mode, seed=sweep.seed
+    )
     member_batches = "data_seed" in checked[0]
-    step = _step(sweep.loss_fn, layout, member_batches, sweep.microbatches, sweep.strategy)
+    step = _step(sweep.loss_fn, sweep.layout, member_batches, sweep.microbatches, sweep.strategy)
     stage_settings = {
         "evaluation": None if evaluation.every is None else evaluation,
         "checkpoints": checkpoints,
@@ -273,91 +269,168 @@ def _run(
 
     # Each member as initialised: where its loss ends no lower, it did not learn.
     initial = _member_losses(full_eval(score_fn, state, evaluation.pipeline).metrics, len(checked))
-    trials = [Trial(k, k, dict(p), None, 0, initial_loss=initial[k]) for k, p in enumerate(checked)]
-    slots = list(range(len(checked)))  # the trial each slot trains
-    current = list(checked)
-    active = np.ones(len(checked), bool)
-    compiles, began, start = 0, time.perf_counter(), 0
-    input_path = ""  # how the stages fed and dispatched their steps (the last stage's)
+    roster = _Roster.start(checked, initial)
+    compiles, began, start, input_path = 0, time.perf_counter(), 0, ""
+
+    def result(state: TrainState, step: int, *, interrupted: bool = False) -> SweepResult:
+        return SweepResult(
+            trials=roster.trials,
+            slots=roster.slots,
+            state=state,
+            metric=metric,
+            mode=sweep.mode,
+            step=step,
+            workdir=workdir,
+            train_step_compiles=compiles,
+            interrupted=interrupted,
+            wall_seconds=time.perf_counter() - began,
+            input_path=input_path,  # how the stages fed and dispatched (the last stage's)
+        )
+
     for index, end in enumerate(ends):
         stage = {**stage_settings, "workdir": workdir / f"stage_{index}", "start_step": start}
-        training = [slots[s] for s in np.flatnonzero(active)]
-        result = _fit_stage(state, step, pipeline, end, settings=stage, training=training)
-        compiles += result.train_step_compiles
-        input_path = f"{result.input_path}, {result.dispatch}"
-        state = result.state
-        stage_settings["dispatch"] = _calibrated(stage_settings["dispatch"], result)
-        if result.preempted or result.stopped_early or result.step < end:
-            return SweepResult(
-                trials=trials,
-                slots=slots,
-                state=state,
-                metric=metric,
-                mode=mode,
-                step=result.step,
-                workdir=workdir,
-                train_step_compiles=compiles,
-                interrupted=True,
-                input_path=input_path,
-            )
-        _freeze_diverged(state, trials, slots, active, end=end, metric=metric)
-        measured = full_eval(score_fn, state, evaluation.pipeline).metrics
-        scores = per_member(measured, metric)
-        for slot, trial_id in enumerate(slots):
-            if active[slot]:
-                trials[trial_id].record(end, float(scores[slot]), _member_metrics(measured, slot))
+        fitted = _fit_stage(state, step, pipeline, end, settings=stage, training=roster.training())
+        compiles += fitted.train_step_compiles
+        input_path = f"{fitted.input_path}, {fitted.dispatch}"
+        state = fitted.state
+        stage_settings["dispatch"] = _calibrated(stage_settings["dispatch"], fitted)
+        if fitted.preempted or fitted.stopped_early or fitted.step < end:
+            return result(state, fitted.step, interrupted=True)
+        roster.freeze_diverged(diverged_steps(state.opt_state), end=end, metric=metric)
+        roster.record(end, full_eval(score_fn, state, evaluation.pipeline).metrics, metric)
         if end == num_steps:
             break
-        # A diverged member ranks last (its last finite score is history, not its state).
-        scored = np.array(
-            [math.nan if trials[t].diverged else trials[t].score() for t in slots], np.float64
-        )
-        decision = decide(
-            schedule,
-            step=end,
-            scores=scored,
-            active=active,
-            points=current,
-            mode=mode,
-            space=sweep.space,
-            seed=seed,
-        )
-        moves = {
-            "source": np.asarray(decision.source, np.int32),
-            "refresh": decision.refresh,
-            "active": decision.active,
-            "seeds": init_keys(decision.points, seed),
-            "values": value_arrays(decision.points, names),
-        }
-        state = _reassign(sweep.model, layout)(state, moves)
-        old_slots = slots
-        slots = _apply(decision, trials, slots, active, end)
-        if jax.process_index() == 0:  # the schedule's decisions, a line each
-            for line in describe_decision(
-                decision, trials, old_slots, slots, step=end, metric=metric
-            ):
-                tqdm.write(line)
-        current, start = list(decision.points), end
-        # A diverged trial stays frozen in its slot until a schedule gives the slot another.
-        active = decision.active & np.array([trials[t].status == "training" for t in slots])
-    for slot, trial_id in enumerate(slots):
-        if active[slot]:
-            trials[trial_id].finish(num_steps)
-    finished = SweepResult(
-        trials=trials,
-        slots=slots,
-        state=state,
-        metric=metric,
-        mode=mode,
-        step=num_steps,
-        workdir=workdir,
-        train_step_compiles=compiles,
-        wall_seconds=time.perf_counter() - began,
-        input_path=input_path,
-    )
+        state = _next_stage(sweep, roster, state, end=end, names=names)
+        start = end
+    roster.finish(num_steps)
+    finished = result(state, num_steps)
     if jax.process_index() == 0:
         finished.write_json(workdir / "results.json")
     return finished
+
+
+@dataclasses.dataclass
+class _Roster:
+    """A sweep's bookkeeping: every trial so far, the trial each slot trains, each slot's
+    point, and which slots still train."""
+
+    trials: list[Trial]
+    slots: list[int]
+    points: list[Point]
+    active: np.ndarray
+
+    @classmethod
+    def start(cls, points: Sequence[Point], initial_losses: Sequence[float]) -> _Roster:
+        trials = [
+            Trial(k, k, dict(p), None, 0, initial_loss=initial_losses[k])
+            for k, p in enumerate(points)
+        ]
+        return cls(trials, list(range(len(points))), list(points), np.ones(len(points), bool))
+
+    def training(self) -> list[int]:
+        """The trials training now."""
+        return [self.slots[s] for s in np.flatnonzero(self.active)]
+
+    def record(self, end: int, measured: Mapping[str, float], metric: str) -> None:
+        """Each training slot's evaluation at ``end`` (``full_eval``'s metrics)."""
+        scores = per_member(measured, metric)
+        for slot in np.flatnonzero(self.active):
+            self.trials[self.slots[slot]].record(
+                end, float(scores[slot]), _member_metrics(measured, int(slot))
+            )
+
+    def scores(self) -> np.ndarray:
+        """Each slot's score for a schedule; a diverged member's is NaN and ranks last
+        (its last finite score is history, not its state)."""
+        return np.array(
+            [math.nan if self.trials[t].diverged else self.trials[t].score() for t in self.slots],
+            np.float64,
+        )
+
+    def freeze_diverged(self, counts: Any, *, end: int, metric: str) -> None:
+        """Marks each training member that diverged by ``end`` (``counts``: its diverged
+        steps, or None where nothing counts them) as diverged and inactive, printing a
+        line for each; stops the sweep when none trains."""
+        if counts is None:
+            return
+        counts = np.asarray(to_host(counts))
+        diverged = np.flatnonzero(self.active & (counts > 0))
+        for slot in diverged:
+            trial = self.trials[self.slots[slot]]
+            trial.diverge(end - int(counts[slot]) + 1)
+            self.active[slot] = False
+            if jax.process_index() == 0:
+                tqdm.write(describe_divergence(trial, metric))
+        if diverged.size and not self.active.any():
+            raise NonFiniteLossError(
+                "Every trial of the sweep still training diverged: "
+                + "; ".join(f"trial {t.id} at step {t.end}" for t in self.trials if t.diverged)
+                + ". Lower the learning rates (or the range they are drawn from), or add "
+                "gradient clipping to the optimizer."
+            )
+
+    def apply(self, decision: Decision, step: int) -> None:
+        """A schedule's ``decision`` at ``step``: stopped slots, new trials in the changed
+        ones (restarts, or copies continuing their donor's scores)."""
+        slots = list(self.slots)
+        for slot in np.flatnonzero(self.active & ~decision.active):
+            self.trials[self.slots[slot]].stop(step)
+        for slot in decision.changed:
+            old = self.trials[self.slots[slot]]
+            if not old.diverged:  # a diverged trial keeps its status and step
+                old.replace(step)
+            parent = None if decision.refresh[slot] else self.slots[int(decision.source[slot])]
+            trial = Trial(len(self.trials), slot, dict(decision.points[slot]), parent, step)
+            # A copy continues its donor's scores; a fresh start is judged by the slot's first.
+            origin = self.trials[self.slots[slot] if parent is None else parent]
+            trial.initial_loss = origin.initial_loss
+            if parent is not None:
+                trial.history = list(origin.history)
+                trial.metrics = dict(origin.metrics)
+            self.trials.append(trial)
+            slots[slot] = trial.id
+        self.slots, self.points = slots, list(decision.points)
+        # A diverged trial stays frozen in its slot until a schedule gives the slot another.
+        self.active = decision.active & np.array(
+            [self.trials[t].status == "training" for t in slots]
+        )
+
+    def finish(self, num_steps: int) -> None:
+        for slot in np.flatnonzero(self.active):
+            self.trials[self.slots[slot]].finish(num_steps)
+
+
+def _next_stage(
+    sweep: Sweep, roster: _Roster, state: TrainState, *, end: int, names: tuple[str, ...]
+) -> TrainState:
+    """The schedule's decision at ``end``, applied to the roster and the state (in one
+    jitted program), each change printed as a line."""
+    decision = decide(
+        sweep.schedule,
+        step=end,
+        scores=roster.scores(),
+        active=roster.active,
+        points=roster.points,
+        mode=sweep.mode,
+        space=sweep.space,
+        seed=sweep.seed,
+    )
+    moves = {
+        "source": np.asarray(decision.source, np.int32),
+        "refresh": decision.refresh,
+        "active": decision.active,
+        "seeds": init_keys(decision.points, sweep.seed),
+        "values": value_arrays(decision.points, names),
+    }
+    state = _reassign(sweep.model, sweep.layout)(state, moves)
+    before = roster.slots
+    roster.apply(decision, end)
+    if jax.process_index() == 0:
+        for line in describe_decision(
+            decision, roster.trials, before, roster.slots, step=end, metric=sweep.metric
+        ):
+            tqdm.write(line)
+    return state
 
 
 def describe_decision(
@@ -435,37 +508,6 @@ def _fit_stage(
         ) from None
 
 
-def _freeze_diverged(
-    state: TrainState,
-    trials: list[Trial],
-    slots: list[int],
-    active: np.ndarray,
-    *,
-    end: int,
-    metric: str,
-) -> None:
-    """Marks each training member that diverged by ``end`` as diverged (inactive from
-    here on, in ``active``), printing a line for each; stops the sweep when none trains."""
-    counts = diverged_steps(state.opt_state)
-    if counts is None:
-        return
-    counts = np.asarray(to_host(counts))
-    diverged = np.flatnonzero(active & (counts > 0))
-    for slot in diverged:
-        trial = trials[slots[slot]]
-        trial.diverge(end - int(counts[slot]) + 1)
-        active[slot] = False
-        if jax.process_index() == 0:
-            tqdm.write(describe_divergence(trial, metric))
-    if diverged.size and not active.any():
-        raise NonFiniteLossError(
-            "Every trial of the sweep still training diverged: "
-            + "; ".join(f"trial {t.id} at step {t.end}" for t in trials if t.diverged)
-            + ". Lower the learning rates (or the range they are drawn from), or add "
-            "gradient clipping to the optimizer."
-        )
-
-
 def describe_divergence(trial: Trial, metric: str) -> str:
     """The line a sweep prints when a member's trial diverged (and is frozen)."""
     last = "no evaluation yet" if not trial.history else f"{metric} {trial.score():.4f}"
@@ -492,27 +534,3 @@ def _member_losses(measured: Mapping[str, float], members: int) -> list[float]:
 def _member_metrics(measured: Mapping[str, float], slot: int) -> dict[str, float]:
     prefix = f"member_{slot}/"
     return {k[len(prefix) :]: float(v) for k, v in measured.items() if k.startswith(prefix)}
-
-
-def _apply(
-    decision: Decision, trials: list[Trial], slots: list[int], active: np.ndarray, step: int
-) -> list[int]:
-    """Updates the trials for ``decision`` at ``step``; returns the new slot -> trial map."""
-    new_slots = list(slots)
-    for slot in np.flatnonzero(active & ~decision.active):
-        trials[slots[slot]].stop(step)
-    for slot in decision.changed:
-        old = trials[slots[slot]]
-        if not old.diverged:  # a diverged trial keeps its status and step
-            old.replace(step)
-        donor = int(decision.source[slot])
-        parent = None if decision.refresh[slot] else slots[donor]
-        trial = Trial(len(trials), slot, dict(decision.points[slot]), parent, step)
-        # A copy continues its donor's scores; a fresh start is judged by the slot's first.
-        trial.initial_loss = trials[slots[slot] if parent is None else parent].initial_loss
-        if parent is not None:
-            trial.history = list(trials[parent].history)
-            trial.metrics = dict(trials[parent].metrics)
-        trials.append(trial)
-        new_slots[slot] = trial.id
-    return new_slots
