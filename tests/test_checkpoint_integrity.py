@@ -66,6 +66,7 @@ def placed(tree: dict[str, np.ndarray], mesh, spec=None) -> dict[str, jax.Array]
     }
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("on_host", [False, True], ids=["devices", "numpy"])
 def test_digest_matches_numpy_on_any_mesh_and_sees_one_bit(on_host):
     """The devices' program and the library's numpy twin (what one process of CPU
@@ -126,6 +127,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_path, kind):
     mesh = meshkit.make_mesh("data=-1")
@@ -153,6 +155,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_newest_intact_step(tmp_pat
     checkpointer.close()
 
 
+@pytest.mark.once
 def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     saved = save_two_steps(tmp_path, mesh)
@@ -176,6 +179,7 @@ def test_when_no_checkpoint_is_intact_resume_raises_and_moves_nothing(tmp_path):
     assert not _abandoned_read(ValueError("OUT_OF_RANGE: something of the user's"))
 
 
+@pytest.mark.once
 def test_a_deleted_digest_is_damage_and_an_older_checkpoint_restores_with_a_warning(tmp_path):
     import json
     import shutil
@@ -210,6 +214,7 @@ def full_disk(monkeypatch):
     return fill
 
 
+@pytest.mark.once
 def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_disk):
     tree = {"w": jnp.ones((8, 8))}
     checkpointer = checkpoint.Checkpointer(tmp_path, save_every=10)
@@ -236,6 +241,7 @@ def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, full_di
     assert checkpoint.Checkpointer(tmp_path, save_every=10).latest_step() == 10
 
 
+@pytest.mark.once
 def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)
@@ -272,6 +278,7 @@ def test_fit_stops_at_the_step_after_a_failed_save(tmp_path, full_disk):
     assert names(tmp_path / "checkpoints") == []
 
 
+@pytest.mark.once
 def test_the_non_finite_message_calls_the_checkpoint_verified_on_resume_not_good(tmp_path):
     checkpointer = checkpoint.Checkpointer(tmp_path, save_every=10)
     checkpointer.save(10, {"w": jnp.ones(2)}, {"step": 10})
@@ -336,6 +343,7 @@ def test_two_processes_fall_back_together_whichever_process_finds_the_damage(tmp
     np.testing.assert_array_equal(meshkit.to_host(state["w"]), saved["w"])
 
 
+@pytest.mark.once
 def test_an_edited_data_state_is_damage_and_resume_falls_back(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     saved = save_two_steps(tmp_path, mesh)

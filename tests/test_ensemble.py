@@ -1,4 +1,8 @@
-"""meshkit.ensemble in one process: layouts, independence, metrics, K=1, checkpoints, errors."""
+"""meshkit.ensemble in one process: layouts, independence, metrics, K=1, checkpoints, errors.
+
+What members on several devices could get wrong (their independence, their shardings,
+their checkpoints) runs in the 8-device pass; arithmetic and messages in the 1-device one.
+"""
 
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ def assert_trees_close(a, b, **tolerance):
         np.testing.assert_allclose(x, y, **tolerance)
 
 
+@pytest.mark.once(8)
 def test_members_differ_after_init_and_follow_their_keys():
     layout = layout_for(4)
     state = ensemble.create_ensemble_state(tiny_model(), TX, layout, seed=7)
@@ -88,6 +93,7 @@ def test_members_differ_after_init_and_follow_their_keys():
     assert state.params["Conv_0"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("ensemble")
 
 
+@pytest.mark.once(8)
 def test_the_step_keeps_shapes_dtypes_shardings_and_compiles_once():
     layout = layout_for(4)
     state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
@@ -111,6 +117,7 @@ def test_the_step_keeps_shapes_dtypes_shardings_and_compiles_once():
     assert meshkit.to_host(state.step).tolist() == [3, 3, 3, 3]
 
 
+@pytest.mark.once(8)
 def test_each_member_trains_as_if_alone():
     """Member i's update in the ensemble equals a plain data-parallel step on member i alone."""
     layout = layout_for(4)
@@ -132,7 +139,7 @@ def test_each_member_trains_as_if_alone():
         np.testing.assert_allclose(metrics[f"member_{i}/loss"], plain_metrics["loss"], rtol=1e-5)
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_a_diverging_member_never_touches_the_others():
     layout = layout_for(4)
     batches = host_batches(3)
@@ -180,6 +187,7 @@ def test_two_members_per_device_train_like_one(eight_members_on_eight_devices):
     assert_trees_close(first_eight, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.once(8)
 def test_k1_reproduces_plain_data_parallel_training():
     mesh = meshkit.make_mesh("ensemble=1,data=-1")
     layout = ensemble.EnsembleLayout(mesh, num_members=1)
@@ -221,7 +229,7 @@ def numpy_reference(member_logits: list[np.ndarray], labels: np.ndarray) -> dict
     return reference
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_ensemble_metrics_equal_a_numpy_reference_from_member_outputs():
     layout = layout_for(4)
     state, _ = train_ensemble(layout, host_batches(10))
@@ -249,6 +257,7 @@ def test_ensemble_metrics_equal_a_numpy_reference_from_member_outputs():
     np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.once
 def test_train_step_ensemble_metrics_equal_a_numpy_reference():
     layout = layout_for(4)
     state = ensemble.create_ensemble_state(tiny_model(), TX, layout)
@@ -267,6 +276,7 @@ def test_train_step_ensemble_metrics_equal_a_numpy_reference():
     np.testing.assert_allclose(metrics["loss"], np.mean(member_losses), rtol=1e-5)
 
 
+@pytest.mark.once
 def test_an_extracted_member_evaluates_like_its_column_of_the_ensemble():
     layout = layout_for(2)
     state, _ = train_ensemble(layout, host_batches(5))
@@ -281,6 +291,7 @@ def test_an_extracted_member_evaluates_like_its_column_of_the_ensemble():
     np.testing.assert_allclose(alone["loss"], together["member_1/loss"], rtol=1e-5)
 
 
+@pytest.mark.once(8)
 def test_members_with_batch_norm_and_dropout_keep_their_own_statistics():
     layout = layout_for(2)
     model = tiny_model(NormCNN())
@@ -291,6 +302,7 @@ def test_members_with_batch_norm_and_dropout_keep_their_own_statistics():
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
+@pytest.mark.once
 def test_member_classification_loss_is_train_classification_loss_with_logits():
     mesh = meshkit.make_mesh("data=-1")
     state = train.create_train_state(tiny_model(NormCNN()), TX, mesh)
@@ -304,6 +316,7 @@ def test_member_classification_loss_is_train_classification_loss_with_logits():
     assert member_out.logits is not None and member_out.logits.shape == (BATCH, 10)
 
 
+@pytest.mark.once
 def test_a_train_loss_reports_its_own_metrics_for_every_member():
     def margin_loss(params, state, batch, rng):
         loss, out = train.classification_loss(params, state, batch, rng)
@@ -335,6 +348,7 @@ def test_a_train_loss_reports_its_own_metrics_for_every_member():
     np.testing.assert_array_equal(ensemble.per_member(metrics, "count"), [3, 3])
 
 
+@pytest.mark.once(8)
 def test_member_batches_give_each_member_its_own_order():
     layout = layout_for(2)
     source = data.digits("train")
@@ -363,6 +377,7 @@ def test_member_batches_give_each_member_its_own_order():
         )
 
 
+@pytest.mark.once(8)
 def test_checkpoint_round_trip_restores_onto_another_layout(tmp_path):
     layout = layout_for(4)
     state, _ = train_ensemble(layout, host_batches(2))
@@ -397,6 +412,7 @@ def fit_ensemble(layout, model, step, workdir, num_steps):
     )
 
 
+@pytest.mark.once(8)
 def test_fit_trains_evaluates_and_resumes_an_ensemble_exactly(tmp_path):
     layout = layout_for(2)
     model = tiny_model()  # one apply_fn: the states' static fields match, so no recompiles
@@ -421,6 +437,7 @@ def test_fit_trains_evaluates_and_resumes_an_ensemble_exactly(tmp_path):
     assert resumed.eval_metrics == straight.eval_metrics
 
 
+@pytest.mark.once
 def test_members_not_divisible_by_the_ensemble_axis_is_explained():
     mesh = meshkit.make_mesh("ensemble=-1")
     size = jax.device_count()
@@ -434,6 +451,7 @@ def test_members_not_divisible_by_the_ensemble_axis_is_explained():
     assert f"multiple of {size}" in message and "Use num_members=" in message
 
 
+@pytest.mark.once
 def test_a_mesh_without_an_ensemble_axis_is_explained():
     with pytest.raises(ValueError) as info:
         ensemble.EnsembleLayout(meshkit.make_mesh("data=-1"), num_members=4)
@@ -442,6 +460,7 @@ def test_a_mesh_without_an_ensemble_axis_is_explained():
     assert "meshkit.make_mesh('ensemble=-1')" in message
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -461,6 +480,7 @@ def test_extra_mesh_axes_are_explained():
         ensemble.EnsembleLayout(meshkit.make_mesh("ensemble=2,data=2,model=2"), 4)
 
 
+@pytest.mark.once
 def test_state_step_and_batch_mismatches_are_explained():
     layout = layout_for(2)
     state = ensemble.create_ensemble_state(tiny_model(), TX, layout)

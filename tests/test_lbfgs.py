@@ -1,8 +1,10 @@
 """meshkit.lbfgs against scipy's float64 L-BFGS-B, jaxopt, numpy and itself across meshes.
 
-The data are seed 002's kind of problem (``make_classification`` with 10 classes),
-scaled down so each test takes seconds; the recipe and the benchmark run the full
-50,000 × 784 problem.
+The data are the JAXopt L-BFGS notebook's kind of problem (``make_classification``
+with 10 classes), scaled down so each test takes seconds; the recipe and the benchmark
+run the full 50,000 × 784 problem. The solver's arithmetic is checked in one pass (``once``), where
+it costs least; what depends on the rows' split over the devices in the 8-device pass
+(``once(8)``); ``test_one_and_eight_devices_agree`` ties the two together.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def make_solver(mesh, **settings):
     return lbfgs.LBFGS(lbfgs.multiclass_logreg, mesh, **settings)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(("l2", "intercept"), [(0.0, False), (1e-3, True)])
 def test_reaches_scipy_float64_optimum(mesh, data, l2, intercept):
     reference, flat = scipy_optimum(l2, intercept)
@@ -105,6 +108,7 @@ def test_reaches_scipy_float64_optimum(mesh, data, l2, intercept):
         np.testing.assert_allclose(b, flat[w.size :], atol=2e-3)
 
 
+@pytest.mark.once
 def test_no_more_iterations_than_jaxopt(mesh, data):
     import jaxopt
 
@@ -126,6 +130,7 @@ def test_no_more_iterations_than_jaxopt(mesh, data):
     assert abs(float(solution.value) - float(state.value)) <= 1e-5 * float(state.value)
 
 
+@pytest.mark.once(8)  # about the rows' split over the devices
 def test_objective_is_exact_for_rows_not_divisible_by_devices(mesh):
     x, y = seed_like(rows=50_001, features=8, classes=3)
     data = lbfgs.classification_data(x, y, mesh)
@@ -143,6 +148,7 @@ def test_objective_is_exact_for_rows_not_divisible_by_devices(mesh):
     np.testing.assert_allclose(grad["b"], gb, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.once(8)  # about the rows' split over the devices
 @pytest.mark.parametrize("gradient_blocks", [1, 7, 64])
 def test_gradient_blocks_give_the_exact_objective_and_the_same_solution(mesh, gradient_blocks):
     """The gradient as a sum over row blocks (the GPU layout) against numpy and one block."""
@@ -170,6 +176,7 @@ def test_gradient_blocks_give_the_exact_objective_and_the_same_solution(mesh, gr
     )
 
 
+@pytest.mark.once
 def test_inverse_hessian_product_matches_the_two_loop_recursion():
     """The compact form of the product, against the textbook recursion in float64 numpy."""
     from meshkit.lbfgs._lbfgs import inverse_hessian_product
@@ -235,6 +242,7 @@ def test_one_and_eight_devices_agree(mesh, data):
     )
 
 
+@pytest.mark.once(8)  # about the rows' split over the devices
 def test_nan_on_padded_rows_does_not_leak(mesh):
     """A loss that is -inf on padded rows: ``where`` drops it, ``loss * mask`` would give nan."""
     real, padded = 40, 48  # 48 rows divide over 1, 2, 4 or 8 devices
@@ -259,6 +267,7 @@ def test_nan_on_padded_rows_does_not_leak(mesh):
     assert np.isfinite(meshkit.to_host(state.grad)).all()
 
 
+@pytest.mark.once
 def test_nonfinite_start_gives_status_and_throw(mesh):
     x = np.ones((16, 2), np.float32)
     x[3, 1] = np.nan  # a bad real row
@@ -282,6 +291,7 @@ def _wrong_gradient(w):
 _wrong_gradient.defvjp(lambda w: (_wrong_gradient(w), w), lambda w, g: (-2 * g * (w - 1.0),))
 
 
+@pytest.mark.once
 def test_wrong_gradient_gives_linesearch_failure(mesh):
     data = lbfgs.shard_dataset({"x": np.ones((8, 1), np.float32)}, mesh)
     solver = lbfgs.LBFGS(lambda w, batch: batch["x"][:, 0] * _wrong_gradient(w), mesh)
@@ -298,6 +308,7 @@ def _quadratic_problem(mesh):
     return data, (lambda w, batch: (batch["x"] @ w - batch["y"]) ** 2)
 
 
+@pytest.mark.once
 def test_unbounded_objective_is_named_and_a_far_minimum_is_not(mesh):
     x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     data = lbfgs.shard_dataset({"x": x}, mesh)
@@ -314,11 +325,13 @@ def test_unbounded_objective_is_named_and_a_far_minimum_is_not(mesh):
     np.testing.assert_allclose(meshkit.to_host(found.params), 1e4, rtol=1e-6)
 
 
+@pytest.mark.once
 def test_no_rows(mesh):
     with pytest.raises(ValueError, match=r"0 examples.*at least one row"):
         lbfgs.classification_data(np.zeros((0, 3)), np.zeros(0, np.int32), mesh)
 
 
+@pytest.mark.once
 def test_max_steps_and_relative_decrease(mesh):
     data, loss = _quadratic_problem(mesh)
     start = np.zeros(6, np.float32)
@@ -332,6 +345,7 @@ def test_max_steps_and_relative_decrease(mesh):
     assert solution.status is lbfgs.Status.RELATIVE_DECREASE and solution.succeeded
 
 
+@pytest.mark.once
 def test_one_compile_for_new_data_strengths_and_equal_solvers(mesh):
     x, y = seed_like()
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -345,7 +359,7 @@ def test_one_compile_for_new_data_strengths_and_equal_solvers(mesh):
     assert len({float(s.value) for s in (a, b, c)}) == 3
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_grid_of_strengths_in_one_program(mesh, data):
     x, y = seed_like()
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -362,6 +376,7 @@ def test_grid_of_strengths_in_one_program(mesh, data):
     np.testing.assert_allclose(values[2], float(single.value), rtol=1e-5)
 
 
+@pytest.mark.once
 def test_checkpoint_mid_solve_reproduces_the_trajectory(mesh, data, tmp_path):
     solver = make_solver(mesh)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -381,6 +396,7 @@ def test_checkpoint_mid_solve_reproduces_the_trajectory(mesh, data, tmp_path):
     assert solver.solution(resumed).status is lbfgs.Status.GRADIENT_TOLERANCE
 
 
+@pytest.mark.once
 def test_step_by_step_then_run(mesh, data):
     solver = make_solver(mesh)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -400,6 +416,7 @@ def test_step_by_step_then_run(mesh, data):
     assert int(unchanged.iteration) == 0 and int(unchanged.num_evaluations) == 1
 
 
+@pytest.mark.once
 def test_warm_start(mesh, data):
     solver = make_solver(mesh)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -412,6 +429,7 @@ def test_warm_start(mesh, data):
     np.testing.assert_allclose(float(nearby_warm.value), float(nearby_cold.value), rtol=1e-5)
 
 
+@pytest.mark.once(8)  # about the rows' split over the devices
 def test_state_keeps_shapes_dtypes_and_shardings(mesh, data):
     solver = make_solver(mesh)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -428,6 +446,7 @@ def test_state_keeps_shapes_dtypes_and_shardings(mesh, data):
     assert not bool(done) and int(code) == 0
 
 
+@pytest.mark.once
 def test_history_for_plots(mesh, data):
     solver = make_solver(mesh)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -456,6 +475,7 @@ def test_parameters_sharded_over_a_model_axis(data):
     np.testing.assert_allclose(float(sharded.value), float(replicated.value), rtol=1e-5)
 
 
+@pytest.mark.once(8)  # about the rows' split over the devices
 def test_explicit_axes_match_auto_axes(data):
     explicit = meshkit.make_mesh("data=-1", axis_types=AxisType.Explicit)
     start = lbfgs.linear_params(FEATURES, CLASSES, intercept=True)
@@ -467,6 +487,7 @@ def test_explicit_axes_match_auto_axes(data):
 # ---- bad input: the error names what it got, what it expected, and the fix ----
 
 
+@pytest.mark.once
 def test_mismatched_rows(mesh):
     with pytest.raises(ValueError, match=r"x has 5 rows but y has 4 labels; expected one label"):
         lbfgs.classification_data(np.ones((5, 2)), np.zeros(4, int), mesh)
@@ -474,6 +495,7 @@ def test_mismatched_rows(mesh):
         lbfgs.shard_dataset({"a": np.ones(3), "b": np.ones(4)}, mesh)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     ("labels", "got"), [([0, 1, 10], "got 10 at row 2"), ([-1, 0, 1], "got -1 at row 0")]
 )
@@ -500,6 +522,7 @@ def test_mesh_without_data_axis():
         lbfgs.LBFGS(lbfgs.multiclass_logreg, "data=-1")  # type: ignore[arg-type]
 
 
+@pytest.mark.once
 def test_parameters_that_do_not_fit_the_data(mesh, data):
     solver = make_solver(mesh)
     with pytest.raises(ValueError) as info:
@@ -515,6 +538,7 @@ def test_parameters_that_do_not_fit_the_data(mesh, data):
         solver.solve({"w": jnp.zeros((FEATURES, CLASSES), jnp.bfloat16), "b": np.zeros(10)}, data)
 
 
+@pytest.mark.once
 def test_loss_returning_a_mean_and_other_mistakes(mesh, data):
     mean_loss = lbfgs.LBFGS(lambda w, b: jnp.mean(lbfgs.multiclass_logreg(w, b)), mesh)
     with pytest.raises(ValueError, match=r"one loss per example, shape \(3000,\).*got \(\)"):

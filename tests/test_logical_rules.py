@@ -308,6 +308,7 @@ def test_a_checkpoint_on_one_layout_restores_on_another(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.once(8)
 def test_an_annotated_model_trains_like_the_unannotated_one():
     mesh = meshkit.make_mesh("data=-1,model=1")
     losses = {}
@@ -326,6 +327,7 @@ def test_an_annotated_model_trains_like_the_unannotated_one():
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
+@pytest.mark.once
 def test_a_stacked_state_keeps_the_names_but_applies_them_to_no_leaf():
     keys = jax.random.split(jax.random.key(0), 2)
     states = jax.vmap(lambda key: mtrain.init_state_from_key(mlp_model(), optax.adam(0.1), key))(

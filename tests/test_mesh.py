@@ -181,7 +181,7 @@ def _logreg(w, x, y):
     )
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_jaxopt_runs_on_both_axis_types(axis_type):

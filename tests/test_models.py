@@ -187,7 +187,7 @@ def test_vit_dropout_only_in_training():
     assert not np.allclose(trained(0), evaluation)
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_vit_head_starts_at_zero_and_class_token_versus_average_pool():
     images = jnp.ones((2, 8, 8, 3))
     token = init(tiny_vit(depth=1), images)["params"]

@@ -96,6 +96,7 @@ def streams(mesh_text: str, mode: Any) -> tuple[list[dict], list[dict], str, int
     )
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_resident_batches_equal_the_host_pipelines_bit_for_bit(mode):
     got, expected, placed, per_device = streams("data=-1", mode)
@@ -349,6 +350,7 @@ def resident_one_step(tmp_path_factory):
     return _fit(tmp_path_factory.mktemp("resident"), resident=True, steps_per_dispatch=1)
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize(
     ("resident", "steps_per_dispatch", "compiles", "placement"),
     [
@@ -408,6 +410,7 @@ def test_fit_trains_alike_for_every_input_path_and_chunk_size(
         assert again.train_step_compiles == 0 and again.calibration is None
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("loop", ["fixed", "unrolled"])
 def test_every_loop_of_the_step_program_gives_the_same_bits(
     tmp_path, monkeypatch, resident_one_step, loop
@@ -528,6 +531,7 @@ def jpeg_records(tmp_path_factory) -> dict[str, Path]:
     return data.write_digits_images(tmp_path_factory.mktemp("jpeg"), size=12)
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_jpeg_records_decoded_once_give_the_host_pipelines_batches(jpeg_records, mode):
     sharding = meshkit.batch_sharding(meshkit.make_mesh("data=-1"))
@@ -613,6 +617,7 @@ def eval_both_ways(mesh_text: str, records: Path) -> tuple[Any, Any, data.EvalPi
     return results[0], results[1], pipeline
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("mesh_text", ["data=-1", "data=2,fsdp=-1"])
 def test_a_resident_evaluation_equals_the_host_one_example_for_example(jpeg_records, mesh_text):
     if mesh_text != "data=-1" and jax.device_count() != 8:

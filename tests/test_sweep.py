@@ -158,6 +158,7 @@ def standalone_runs(tmp_path_factory) -> list[tuple[list[float], object]]:
     return [standalone(point, folder / str(index)) for index, point in enumerate(POINTS)]
 
 
+@pytest.mark.once(8)
 @pytest.mark.parametrize("strategy", ["loop", "vmap"])
 def test_each_member_follows_its_standalone_run(strategy: str, standalone_runs, tmp_path: Path):
     result = run_points(tmp_path / "sweep", strategy)
@@ -269,7 +270,7 @@ def moves_for(decision, points) -> dict:
     }
 
 
-@pytest.mark.once  # the members move between devices at 8
+@pytest.mark.once(8)  # the members move between devices
 def test_a_pbt_exploit_copies_its_source_exactly():
     layout = layout_for(len(POINTS))
     before = meshkit.to_host(trained_state(layout, POINTS))
@@ -308,7 +309,7 @@ def test_a_pbt_exploit_copies_its_source_exactly():
     assert after.opt_state.values["label_smoothing"][2] == np.float32(new_point["label_smoothing"])
 
 
-@pytest.mark.once  # the members move between devices at 8
+@pytest.mark.once(8)  # the members move between devices
 def test_halving_freezes_the_worst_and_never_touches_the_survivors():
     layout = layout_for(len(POINTS))
     points = check_points(POINTS)

@@ -1,4 +1,8 @@
-"""meshkit.train in one process: state, step, fit, checkpoints, FSDP, NNX, NaN handling."""
+"""meshkit.train in one process: state, step, fit, checkpoints, FSDP, NNX, NaN handling.
+
+The fit loop is the same program at any device count (one test checks that one device
+and eight reach the same parameters): most tests run once, in the 1-device pass.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ BATCH = 64
 
 
 def setup(mesh, *, rules=None, model=None, seed=0):
-    """NormCNN (batch norm + dropout) on the 8×8 digits: the train state of seed 003."""
+    """NormCNN (batch norm + dropout) on the 8×8 digits: the train state of the talk
+    "JAX — now and future"."""
     sharding = meshkit.batch_sharding(mesh)
     pipeline = data.TrainPipeline(
         data.digits("train"), global_batch_size=BATCH, sharding=sharding, seed=seed
@@ -44,6 +49,7 @@ def run_steps(mesh, steps, **kwargs):
     return state, losses
 
 
+@pytest.mark.once
 def test_loss_decreases_and_batch_stats_update():
     mesh = meshkit.make_mesh("data=-1")
     initial, _, _ = setup(mesh)
@@ -55,6 +61,7 @@ def test_loss_decreases_and_batch_stats_update():
     assert int(state.step) == 40
 
 
+@pytest.mark.once
 def test_apply_model_updates_collections_in_training_mode_only():
     state, _, _ = setup(meshkit.make_mesh("data=-1"))
     images = jnp.asarray(data.digits("train").getitems(np.arange(16))["image"])
@@ -98,6 +105,7 @@ def test_fsdp_shards_params_and_trains_like_replicated():
     np.testing.assert_allclose(losses_fsdp, losses_replicated, rtol=2e-5)
 
 
+@pytest.mark.once
 def test_nnx_model_trains_through_the_same_api():
     from flax import nnx
 
@@ -146,6 +154,7 @@ def fit(
     )
 
 
+@pytest.mark.once(8)
 def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
     result = fit(meshkit.make_mesh("data=-1"), tmp_path, 25, eval_every=20)
     assert result.step == 25 and not result.preempted and result.resumed_from is None
@@ -157,7 +166,7 @@ def test_fit_logs_checkpoints_evaluates_and_compiles_once(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 25]
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_a_resumed_run_logs_each_step_once(tmp_path):
     import shutil
 
@@ -186,6 +195,7 @@ def test_resume_onto_a_different_mesh_continues_the_run(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.once
 def test_resuming_another_model_names_the_leaves_that_differ(tmp_path):
 
     class Linear(nn.Module):
@@ -227,6 +237,7 @@ def test_resuming_with_another_precision_says_so_in_one_line(tmp_path):
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
+@pytest.mark.once
 def test_fit_refuses_a_batch_level_eval_value(tmp_path):
     with pytest.raises(ValueError, match=r"returned 'm' with shape \(\), but per-example"):
         fit(
@@ -250,6 +261,7 @@ def poisoned_setup(bad):
     return state, step, pipeline
 
 
+@pytest.mark.once
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     state, step, pipeline = poisoned_setup(lambda step: step >= 14)  # step 15 on
     with pytest.raises(train.NonFiniteLossError) as info:
@@ -267,7 +279,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10]
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
     """Metrics are summed on the device; each line is the mean of its steps' values."""
     mesh = meshkit.make_mesh("data=-1")
@@ -287,6 +299,7 @@ def test_fit_logs_the_mean_of_each_interval_of_steps(tmp_path):
     assert result.train_metrics["loss"] == lines[4][-1][1]
 
 
+@pytest.mark.once
 def test_a_second_fit_with_the_same_step_compiles_nothing(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     state, step, pipeline = setup(mesh)
@@ -313,6 +326,7 @@ def test_a_second_create_train_state_compiles_nothing_and_seeds_still_differ():
     assert not np.array_equal(again.params["kernel"], other.params["kernel"])
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("checkpoint_every", [3, 10])
 def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, checkpoint_every):
     """Step 15 goes bad inside the interval 11-20: found before any later save."""
@@ -333,6 +347,7 @@ def test_no_checkpoint_follows_a_non_finite_step_between_log_lines(tmp_path, che
     assert saved[-1] < 15 and f"step {saved[-1]} in" in str(info.value)
 
 
+@pytest.mark.once
 def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     state, step, pipeline = setup(mesh)
@@ -351,7 +366,7 @@ def test_fit_explains_a_step_without_a_loss_and_a_bad_queue_depth(tmp_path):
         train.Dispatch(max_in_flight=0)
 
 
-@pytest.mark.once  # the same at any device count: the 8-device pass runs it
+@pytest.mark.once  # the same at any device count
 def test_a_label_outside_the_classes_is_named_with_its_row_and_example(tmp_path):
     """A source that does not know its class count lets label 12 through to a 10-class
     model: the step's loss is NaN, and fit's error names the label and where it is."""
