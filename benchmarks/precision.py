@@ -63,7 +63,7 @@ def main() -> None:
         shardings = train.state_shardings_of(state)
 
         def step_fn(state, batch, microbatches=microbatches, unroll=unroll):
-            grads = train.gradients(
+            grads = train.parts.gradients(
                 train.classification_loss,
                 state,
                 batch,
@@ -72,7 +72,7 @@ def main() -> None:
                 batch_sharding=sharding,
                 unroll=unroll,
             )
-            return train.apply_update(state, grads)
+            return train.parts.apply_update(state, grads)
 
         step = jax.jit(
             step_fn,

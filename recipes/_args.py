@@ -215,7 +215,7 @@ def start_run(
         )
     with setup_errors_in_one_line():
         train.claim_workdir(args.workdir, writes=run_files, fresh=args.fresh)
-        train.write_run_config(args.workdir, args, mesh, resuming=resuming)
+        train.parts.write_run_config(args.workdir, args, mesh, resuming=resuming)
     done = None
     if finished:
         checkpointer = train.Checkpoints().checkpointer(args.workdir)

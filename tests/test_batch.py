@@ -165,8 +165,8 @@ def test_sizes_must_be_ints_not_bools_floats_or_strings(value, error, message):
 )
 def test_bounded_sizes_separate_wrong_types_from_bad_values(value, error, message):
     with pytest.raises(error, match=message):
-        train.InFlight(value)
-    assert train.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]
+        train.parts.InFlight(value)
+    assert train.parts.InFlight(np.int64(2)).limit == 2  # type: ignore[arg-type]
 
 
 def test_both_one_device_placements_give_the_same_arrays():

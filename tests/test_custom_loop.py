@@ -46,7 +46,7 @@ def loop_by_hand(state, train_step, pipeline, *, num_steps, workdir, policy):
     """fit's parts in a loop of one's own; returns the state and the logged mean losses."""
     mesh = pipeline.sharding.mesh
     checkpointer = policy.checkpointer(workdir)
-    window = train.InFlight.for_mesh(mesh)
+    window = train.parts.InFlight.for_mesh(mesh)
     logged = []
 
     def read(step, interval):
@@ -61,7 +61,7 @@ def loop_by_hand(state, train_step, pipeline, *, num_steps, workdir, policy):
         for step in range(1, num_steps + 1):
             batch = next(batches)
             if sums is None or interval is None:
-                sums, state, interval = train.MetricSums.first_step(
+                sums, state, interval = train.parts.MetricSums.first_step(
                     train_step, state, batch, mesh=mesh
                 )
             else:

@@ -254,7 +254,7 @@ def test_an_object_store_workdir_without_its_client_names_the_package(monkeypatc
     for scheme in ("gs", "gcs"):  # nor registered in this process (another test may have)
         monkeypatch.delitem(registry, scheme, raising=False)
     mesh = meshkit.make_mesh("data=-1")
-    for first_write in (run_fit, lambda workdir: train.write_run_config(workdir, {}, mesh)):
+    for first_write in (run_fit, lambda workdir: train.parts.write_run_config(workdir, {}, mesh)):
         with pytest.raises(ImportError) as info:
             first_write("gs://bucket/run")
         message = str(info.value)
@@ -283,7 +283,7 @@ def test_an_object_store_workdir_without_a_network_to_it_ends_in_one_line(monkey
     _paths._resolve.cache_clear()
     mesh = meshkit.make_mesh("data=-1")
     with pytest.raises(SystemExit) as stop, setup_errors_in_one_line():
-        train.write_run_config("gs://bucket/run", {}, mesh)
+        train.parts.write_run_config("gs://bucket/run", {}, mesh)
     assert str(stop.value.code) == (
         "The workdir gs://bucket/run is on Google Cloud Storage, but its host "
         "storage.googleapis.com cannot be reached from this machine (gaierror: [Errno -2] "
@@ -298,11 +298,13 @@ def test_an_object_store_workdir_without_a_network_to_it_ends_in_one_line(monkey
 @pytest.mark.once
 def test_a_run_config_that_differs_from_the_checkpointed_run_is_refused_by_name(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
-    train.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 10}, mesh)
-    train.write_run_config(tmp_path, {"learning_rate": 0.5, "steps": 10}, mesh)  # no checkpoint
+    train.parts.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 10}, mesh)
+    train.parts.write_run_config(
+        tmp_path, {"learning_rate": 0.5, "steps": 10}, mesh
+    )  # no checkpoint
     (tmp_path / "checkpoints" / "10").mkdir(parents=True)
-    train.write_run_config(tmp_path, {"learning_rate": 0.5, "steps": 40, "mesh": "x"}, mesh)
+    train.parts.write_run_config(tmp_path, {"learning_rate": 0.5, "steps": 40, "mesh": "x"}, mesh)
     with pytest.raises(ValueError, match=r"learning_rate 0\.5 \(now 0\.1\), seed unset \(now 3\)"):
-        train.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 40, "seed": 3}, mesh)
+        train.parts.write_run_config(tmp_path, {"learning_rate": 0.1, "steps": 40, "seed": 3}, mesh)
     recorded = json.loads((tmp_path / "config.json").read_text())["arguments"]
     assert recorded == {"learning_rate": 0.5, "steps": 40, "mesh": "x"}  # the refused one left it

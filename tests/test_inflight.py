@@ -12,17 +12,17 @@ from meshkit import train
 
 def test_one_device_queues_three_steps():
     one = meshkit.make_mesh("data=1", devices=jax.devices()[:1])
-    assert train.InFlight.for_mesh(one).limit == 3
+    assert train.parts.InFlight.for_mesh(one).limit == 3
 
 
 @pytest.mark.devices(8)
 def test_several_cpu_devices_queue_one_step():
-    assert train.InFlight.for_mesh(meshkit.make_mesh("data=-1")).limit == 1
+    assert train.parts.InFlight.for_mesh(meshkit.make_mesh("data=-1")).limit == 1
 
 
 @pytest.mark.parametrize("limit", [1, 3])
 def test_window_waits_for_the_oldest_and_keeps_the_order(limit):
-    window = train.InFlight(limit)
+    window = train.parts.InFlight(limit)
     step = jax.jit(lambda x: x + 1)
     x, done = jnp.zeros(()), []
     for k in range(7):
@@ -42,4 +42,4 @@ def test_window_waits_for_the_oldest_and_keeps_the_order(limit):
 )
 def test_window_needs_a_positive_int(limit, error):
     with pytest.raises(error, match=f"max_in_flight must be an int >= 1 step, got {limit!r}"):
-        train.InFlight(limit)
+        train.parts.InFlight(limit)

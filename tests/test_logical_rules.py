@@ -330,9 +330,9 @@ def test_an_annotated_model_trains_like_the_unannotated_one():
 @pytest.mark.once
 def test_a_stacked_state_keeps_the_names_but_applies_them_to_no_leaf():
     keys = jax.random.split(jax.random.key(0), 2)
-    states = jax.vmap(lambda key: mtrain.init_state_from_key(mlp_model(), optax.adam(0.1), key))(
-        keys
-    )
+    states = jax.vmap(
+        lambda key: mtrain.parts.init_state_from_key(mlp_model(), optax.adam(0.1), key)
+    )(keys)
     assert dict(states.param_axes)["Dense_0/kernel"] == ("embed", "mlp")
     assert states.params["Dense_0"]["kernel"].shape == (2, 8, 16)
     names = states.logical_axes()

@@ -83,7 +83,7 @@ def test_fit_writes_its_records_to_an_object_store_and_resumes(bucket, tmp_path)
             logging=train.Logging(every=2, progress=False),
         )
 
-    train.write_run_config("gs://bucket/run", {"seed": 0}, mesh)
+    train.parts.write_run_config("gs://bucket/run", {"seed": 0}, mesh)
     first = run(6)
     lines = (bucket / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 4, 6]

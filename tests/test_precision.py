@@ -97,7 +97,7 @@ def test_micro_batches_as_one_loop_and_unrolled_give_the_same_step():
     for unroll in (False, True):  # GPU/TPU's choice, CPU's choice
 
         def step_fn(state, batch, unroll=unroll):
-            grads = train.gradients(
+            grads = train.parts.gradients(
                 train.classification_loss,
                 state,
                 batch,
@@ -106,7 +106,7 @@ def test_micro_batches_as_one_loop_and_unrolled_give_the_same_step():
                 batch_sharding=sharding,
                 unroll=unroll,
             )
-            return train.apply_update(state, grads)
+            return train.parts.apply_update(state, grads)
 
         results.append(meshkit.to_host(jax.jit(step_fn)(state, batch)))
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):

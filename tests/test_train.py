@@ -321,7 +321,7 @@ def test_a_second_create_train_state_compiles_nothing_and_seeds_still_differ():
         other = train.create_train_state(model, tx, mesh, seed=1)
     assert compiles.count() == 0
     # the same values as a state initialised from its own key, outside any jit
-    eager = train.init_state_from_key(model, tx, jax.random.key(1))
+    eager = train.parts.init_state_from_key(model, tx, jax.random.key(1))
     np.testing.assert_array_equal(other.params["kernel"], eager.params["kernel"])
     assert not np.array_equal(again.params["kernel"], other.params["kernel"])
 

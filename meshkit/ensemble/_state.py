@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from meshkit._checks import check_int
 from meshkit._host import replicated_sharding
 from meshkit.ensemble._layout import EnsembleLayout
-from meshkit.train import Model, Precision, TrainState, init_state_from_key
+from meshkit.train import Model, Precision, TrainState
+from meshkit.train._state import init_state_from_key
 
 
 def member_keys(seed: int, num_members: int) -> jax.Array:

@@ -26,14 +26,8 @@ from meshkit.ensemble._layout import EnsembleLayout
 from meshkit.ensemble._metrics import flatten_member_metrics
 from meshkit.ensemble._state import num_members_of
 from meshkit.ensemble._strategy import MemberStrategy, map_members, resolve_strategy
-from meshkit.train import (
-    Gradients,
-    LossOutput,
-    TrainState,
-    apply_model,
-    apply_update,
-    gradients,
-)
+from meshkit.train import LossOutput, TrainState, apply_model
+from meshkit.train.parts import Gradients, apply_update, gradients
 
 
 class MemberOutput(NamedTuple):
@@ -303,7 +297,7 @@ def make_ensemble_step(
     the batch; each member's gradient is averaged over the data axis (``pmean``) and its
     optimizer update applied. Members never mix: a member's parameters only ever see
     its own gradient. The gradients and the update are the data-parallel train step's
-    own (``meshkit.train.gradients`` and ``meshkit.train.apply_update``), so
+    own (``meshkit.train.parts.gradients`` and ``meshkit.train.parts.apply_update``), so
     micro-batches and float16 loss scaling work here as they do there: with
     ``create_ensemble_state(..., precision="f16")`` every member has its own loss
     scale, and a member whose gradients overflow skips its update while the others

@@ -17,7 +17,8 @@ from meshkit.sweep._values import (
     set_hyperparameters,
     with_sweep_values,
 )
-from meshkit.train import Model, Precision, TrainState, init_state_from_key
+from meshkit.train import Model, Precision, TrainState
+from meshkit.train._state import init_state_from_key
 
 
 def split_names(

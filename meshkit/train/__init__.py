@@ -1,21 +1,16 @@
 """Data-parallel (and FSDP) training as sharded jit: state, step, fit loop, checkpoints."""
 
-from meshkit._inflight import InFlight as InFlight
 from meshkit._runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from meshkit._runtime.preemption import PreemptionWatcher as PreemptionWatcher
 from meshkit._workdir import WorkdirError as WorkdirError
 from meshkit._workdir import claim_workdir as claim_workdir
-from meshkit.train._config import write_run_config as write_run_config
-from meshkit.train._gradients import Gradients as Gradients
+from meshkit.train import parts as parts
 from meshkit.train._gradients import LossFn as LossFn
 from meshkit.train._gradients import LossOutput as LossOutput
-from meshkit.train._gradients import apply_update as apply_update
-from meshkit.train._gradients import gradients as gradients
 from meshkit.train._hooks import Boundary as Boundary
 from meshkit.train._hooks import EarlyStopping as EarlyStopping
 from meshkit.train._hooks import Hook as Hook
 from meshkit.train._import import import_flax_checkpoint as import_flax_checkpoint
-from meshkit.train._interval import MetricSums as MetricSums
 from meshkit.train._loop import FitResult as FitResult
 from meshkit.train._loop import fit as fit
 from meshkit.train._per_device import per_device as per_device
@@ -28,13 +23,10 @@ from meshkit.train._settings import Evaluation as Evaluation
 from meshkit.train._settings import Logging as Logging
 from meshkit.train._state import Model as Model
 from meshkit.train._state import TrainState as TrainState
-from meshkit.train._state import abstract_train_state as abstract_train_state
 from meshkit.train._state import create_train_state as create_train_state
-from meshkit.train._state import init_state_from_key as init_state_from_key
 from meshkit.train._state import linen_model as linen_model
 from meshkit.train._state import nnx_model as nnx_model
 from meshkit.train._state import state_shardings_of as state_shardings_of
-from meshkit.train._state import train_state_shardings as train_state_shardings
 from meshkit.train._step import apply_model as apply_model
 from meshkit.train._step import classification_loss as classification_loss
 from meshkit.train._step import classification_metrics as classification_metrics

@@ -91,10 +91,11 @@ def gradients(
         >>> model = train.linen_model(nn.Dense(2), jnp.zeros((1, 3)))
         >>> state = train.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=-1"))
         >>> batch = {"image": jnp.ones((8, 3)), "label": jnp.zeros(8, jnp.int32)}
-        >>> whole = train.gradients(train.classification_loss, state, batch, jax.random.key(0))
-        >>> parts = train.gradients(train.classification_loss, state, batch,
-        ...                         jax.random.key(0), microbatches=4)
-        >>> bool(jnp.allclose(whole.grads["kernel"], parts.grads["kernel"], atol=1e-6))
+        >>> from meshkit.train.parts import gradients
+        >>> whole = gradients(train.classification_loss, state, batch, jax.random.key(0))
+        >>> split = gradients(train.classification_loss, state, batch,
+        ...                   jax.random.key(0), microbatches=4)
+        >>> bool(jnp.allclose(whole.grads["kernel"], split.grads["kernel"], atol=1e-6))
         True
     """
     check_int(microbatches, name="microbatches", minimum=1)
@@ -311,9 +312,10 @@ def apply_update(state: TrainState, grads: Gradients) -> tuple[TrainState, Metri
         >>> state = train.create_train_state(model, optax.sgd(0.1), meshkit.make_mesh("data=-1"),
         ...                                  precision="f16")
         >>> batch = {"image": jnp.ones((8, 3)), "label": jnp.zeros(8, jnp.int32)}
-        >>> grads = train.gradients(train.classification_loss, state, batch, jax.random.key(0))
+        >>> from meshkit.train.parts import apply_update, gradients
+        >>> grads = gradients(train.classification_loss, state, batch, jax.random.key(0))
         >>> overflowed = grads._replace(grads=jax.tree.map(lambda g: g * jnp.inf, grads.grads))
-        >>> new, metrics = train.apply_update(state, overflowed)
+        >>> new, metrics = apply_update(state, overflowed)
         >>> int(new.step), float(metrics["skipped"]), float(metrics["loss_scale"])
         (1, 1.0, 32768.0)
         >>> bool((new.params["kernel"] == state.params["kernel"]).all())
