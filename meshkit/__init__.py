@@ -4,7 +4,6 @@ A mesh with named axes and ``PartitionSpec``s decide where every array lives; ev
 computation is a ``jax.jit`` with its shardings declared at the boundary.
 """
 
-from meshkit import _libtpu  # noqa: F401  (first: quiets libtpu before JAX starts)
 from meshkit import distributed as distributed
 from meshkit._batch import batch_sharding as batch_sharding
 from meshkit._batch import data_shard as data_shard

@@ -32,6 +32,7 @@ from typing import Literal
 
 import jax
 
+from meshkit import _plugins
 from meshkit._checks import check_int
 from meshkit._runtime import abort as _runtime_abort
 from meshkit._runtime import peers as _peer_failure
@@ -400,6 +401,11 @@ def initialize(
     Returns:
       The detected ``Launch``.
 
+    On a machine whose only accelerator plugins have no chips here (libtpu without
+    TPUs, JAX's CUDA plugin without GPUs: installed to plan for them), JAX starts on
+    the CPU without asking them, which would each fail and say so at length; a
+    choice of ``JAX_PLATFORMS`` or ``jax_platforms`` is kept.
+
     A loopback coordinator address also binds the coordination service to that address
     (JAX binds it to every interface by default) unless ``JAX_COORDINATOR_BIND_ADDRESS``
     says otherwise.
@@ -425,6 +431,7 @@ def initialize(
             "backend (some JAX call such as jax.devices(), jax.numpy or a jit ran first). "
             "Call initialize() at the top of your program, before any other JAX use."
         )
+    _plugins.cpu_only_without_accelerators()
     if cpu_devices is not None:
         check_int(cpu_devices, name="cpu_devices", minimum=1)
         jax.config.update("jax_num_cpu_devices", launcher_cpu_devices(cpu_devices))

@@ -101,3 +101,68 @@ def test_the_data_core_imports_no_format():
     formats = data / "_formats" / "_image_records.py"
     # The check sees relative imports and imports inside functions.
     assert {"meshkit.data._formats._encoded", "meshkit.data"} <= _formats_imports(formats)
+
+
+ENVIRONMENT_AFTER_IMPORT = """
+import json, os
+import jax  # JAX's own import may set variables of its own (libtpu's, where installed)
+before = dict(os.environ)
+def changed():
+    return sorted(k for k in {*before, *os.environ} if before.get(k) != os.environ.get(k))
+import meshkit, meshkit.data, meshkit.train, meshkit.ensemble, meshkit.sweep
+library = changed()
+import meshkit.plan
+print(json.dumps([library, changed()]))
+"""
+
+
+def run_python(code: str, **env: str) -> str:
+    """``code``'s standard output in a fresh interpreter, with ``env`` added to (or, for
+    an empty value, taken from) the environment."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {**os.environ, **env}
+    environ = {name: value for name, value in environ.items() if value}
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=environ, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.once
+def test_importing_meshkit_changes_no_environment_variable():
+    import json
+
+    from meshkit.plan._environment import COMPILE_ONLY_ENVIRONMENT
+
+    library, planning = json.loads(run_python(ENVIRONMENT_AFTER_IMPORT).splitlines()[-1])
+    assert library == []
+    # the planner's own, and only where libtpu or the CUDA plugin is installed
+    assert set(planning) <= {*COMPILE_ONLY_ENVIRONMENT, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"}
+
+
+CPU_ONLY = """
+import jax
+from meshkit import _plugins, distributed
+_plugins.libtpu_installed = lambda: True  # as if meshkit[tpu] were installed
+_plugins.has_tpu_devices = lambda: False  # on a machine without TPUs
+print(_plugins.cpu_only_without_accelerators(), jax.config.jax_platforms)
+distributed.initialize()
+print(jax.devices()[0].platform)
+"""
+
+
+@pytest.mark.once
+def test_initialize_starts_jax_on_the_cpu_where_the_plugins_have_no_chips():
+    """libtpu without TPUs (or the CUDA plugin without GPUs) would fail at length as JAX
+    starts; initialize starts on the CPU without asking them, and keeps a choice made."""
+    assert run_python(CPU_ONLY, JAX_PLATFORMS="").split() == ["True", "cpu", "cpu"]
+    assert run_python(CPU_ONLY, JAX_PLATFORMS="cpu").split() == ["False", "cpu", "cpu"]
+    neither = "_plugins.cuda_plugin_installed = lambda: False\nprint("
+    plain = CPU_ONLY.replace("lambda: True", "lambda: False").replace("print(", neither, 1)
+    # neither plugin: JAX chooses as it would
+    assert run_python(plain, JAX_PLATFORMS="").split()[:2] == ["False", "None"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._libtpu import cuda_plugin_installed
+from meshkit._plugins import cuda_plugin_installed
 
 pytestmark = [
     pytest.mark.gpu_plan,
@@ -49,3 +49,17 @@ def test_xla_gpu_plans_compile_only_h100s_beside_xla_cpu(tmp_path: Path) -> None
     # FLOPs counted from XLA:GPU's products agree with XLA:CPU's cost analysis
     assert gpu["flops_per_device"] == pytest.approx(cpu["flops_per_device"], rel=0.1)
     assert 0 < gpu["temp_bytes_per_device"] <= cpu["temp_bytes_per_device"]
+
+
+def test_with_the_plugin_installed_a_recipe_starts_on_the_cpu_without_its_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "recipes.data_parallel", "--steps", "2", "--no-progress",
+         "--workdir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The plugin's check of the CUDA libraries fails without them, in a traceback, when
+    # JAX starts it; initialize starts JAX on the CPU alone. (The plugin's own "Could not
+    # find cuda drivers" lines are printed by `import jax` itself, before any meshkit code.)
+    assert "Traceback" not in done.stderr and "Unable to load CUDA" not in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 2

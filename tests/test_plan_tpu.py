@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._libtpu import has_tpu_devices
+from meshkit._plugins import has_tpu_devices
 
 pytestmark = [
     pytest.mark.tpu,
@@ -115,3 +115,19 @@ def test_per_layer_activations_match_korthikanti_on_the_tpu_compiler():
     # and q, k, v in the kernel's heads-first layout as well: 6 s b h bytes more
     assert flash == pytest.approx(fused + 6 * 2048 * 1024, rel=0.15)
     assert flash < xla / 2
+
+
+def test_with_libtpu_installed_a_recipe_says_nothing_of_it_and_meshkit_sets_no_variable(tmp_path):
+    from test_imports import ENVIRONMENT_AFTER_IMPORT
+
+    from meshkit.plan._environment import COMPILE_ONLY_ENVIRONMENT
+
+    done = run("-m", "recipes.data_parallel", "--steps", "2", "--no-progress",
+               "--workdir", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not any(noise in done.stderr + done.stdout for noise in LIBTPU_NOISE), done.stderr
+    library, planning = json.loads(
+        run("-c", ENVIRONMENT_AFTER_IMPORT).stdout.strip().splitlines()[-1]
+    )
+    assert library == []  # importing meshkit; importing meshkit.plan, the planner's own:
+    assert set(planning) <= set(COMPILE_ONLY_ENVIRONMENT)

@@ -4,8 +4,12 @@ Each candidate layout's train step is compiled on abstract, sharded inputs for s
 devices (fake CPU devices, or a TPU topology description with the TPU compiler), so a
 laptop can plan for a pod: memory per device from the compiled program, FLOPs and
 collectives from its HLO, and a step time from a roofline over published chip figures.
+
+Importing it prepares the planner's environment for libtpu and JAX's CUDA plugin on a
+machine without their chips (``_environment``): import it before JAX starts.
 """
 
+from meshkit.plan import _environment  # noqa: F401  (first: before JAX starts)
 from meshkit.plan._accelerators import ACCELERATORS as ACCELERATORS
 from meshkit.plan._accelerators import Accelerator as Accelerator
 from meshkit.plan._cli import plan_in_subprocess as plan_in_subprocess

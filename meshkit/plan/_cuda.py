@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from meshkit._libtpu import cuda_plugin_installed
+from meshkit._plugins import cuda_plugin_installed
 
 
 @dataclasses.dataclass(frozen=True)

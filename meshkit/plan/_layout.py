@@ -231,7 +231,7 @@ def installed_compilers() -> tuple[str, ...]:
     """
     import importlib.util
 
-    from meshkit._libtpu import cuda_plugin_installed
+    from meshkit._plugins import cuda_plugin_installed
 
     tpu = importlib.util.find_spec("libtpu") is not None
     return ("cpu", *("tpu",) * tpu, *("gpu",) * cuda_plugin_installed())

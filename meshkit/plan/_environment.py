@@ -1,5 +1,5 @@
-"""libtpu on a machine without TPUs (and JAX's CUDA plugin without GPUs): compile-only,
-quiet, and shared by processes.
+"""The planner's environment: libtpu on a machine without TPUs (and JAX's CUDA plugin
+without GPUs) compile-only, quiet, and shared by processes.
 
 Installing ``meshkit[tpu]`` brings libtpu, so the planner can compile for a TPU
 topology on any machine. Off a TPU VM, libtpu's start-up asks the cloud's metadata
@@ -8,15 +8,17 @@ server which chips and workers it has, finds none, and prints five lines about i
 it takes a lockfile, so a second planner on the same machine fails. Where no TPU
 device is present, ``quiet_libtpu_without_tpus`` answers those questions in the
 environment before JAX starts: nothing to ask, one local worker, and no chip to guard.
-A variable already set is left as it is; on a TPU VM nothing is touched.
+A variable already set is left as it is; on a TPU VM nothing is touched. Importing
+``meshkit.plan`` sets them, and so does its command line, for itself and
+the processes it starts; importing ``meshkit`` sets nothing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, MutableMapping
-from pathlib import Path
+
+from meshkit import _plugins
 
 COMPILE_ONLY_ENVIRONMENT = {
     "TPU_SKIP_MDS_QUERY": "1",  # no metadata server to ask off a TPU VM
@@ -28,18 +30,11 @@ COMPILE_ONLY_ENVIRONMENT = {
 """What libtpu would otherwise look up (and complain about) when no TPU is present."""
 
 
-def has_tpu_devices() -> bool:
-    """Whether this machine has TPU chips (their device files: ``/dev/accel*`` or
-    ``/dev/vfio``)."""
-    dev = Path("/dev")
-    return any(dev.glob("accel*")) or (dev / "vfio").exists()
-
-
 def quiet_libtpu_without_tpus(
     environ: MutableMapping[str, str] | None = None,
     *,
     libtpu_installed: Callable[[], bool] | None = None,
-    tpu_devices: Callable[[], bool] = has_tpu_devices,
+    tpu_devices: Callable[[], bool] = _plugins.has_tpu_devices,
 ) -> bool:
     """Sets ``COMPILE_ONLY_ENVIRONMENT``'s variables that are not set yet, when libtpu is
     installed and no TPU is present; returns whether it did.
@@ -56,24 +51,12 @@ def quiet_libtpu_without_tpus(
         False
     """
     environ = os.environ if environ is None else environ
-    installed = libtpu_installed or (lambda: importlib.util.find_spec("libtpu") is not None)
+    installed = libtpu_installed or _plugins.libtpu_installed
     if not installed() or tpu_devices():
         return False
     for name, value in COMPILE_ONLY_ENVIRONMENT.items():
         environ.setdefault(name, value)
     return True
-
-
-CUDA_PLUGIN = "jax_plugins.xla_cuda12"
-"""The module of JAX's CUDA plugin, which ``meshkit[gpu-plan]`` installs for XLA:GPU plans."""
-
-
-def cuda_plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin is installed (it needs no GPU to describe one)."""
-    try:
-        return importlib.util.find_spec(CUDA_PLUGIN) is not None
-    except ModuleNotFoundError:  # no jax_plugins namespace at all
-        return False
 
 
 def quiet_cuda_plugin_without_gpus(environ: MutableMapping[str, str] | None = None) -> bool:
@@ -82,11 +65,11 @@ def quiet_cuda_plugin_without_gpus(environ: MutableMapping[str, str] | None = No
     every JAX start (planning needs none of them); returns whether it did. A variable
     already set is left as it is."""
     environ = os.environ if environ is None else environ
-    if not cuda_plugin_installed() or any(Path("/dev").glob("nvidia[0-9]*")):
+    if not _plugins.cuda_plugin_installed() or _plugins.has_nvidia_gpus():
         return False
     environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     return True
 
 
-quiet_libtpu_without_tpus()  # on import: meshkit imports this before anything starts JAX
+quiet_libtpu_without_tpus()  # on import: meshkit.plan imports this first, before JAX starts
 quiet_cuda_plugin_without_gpus()
