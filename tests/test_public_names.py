@@ -211,7 +211,6 @@ REASONS: dict[str, str] = {
     "meshkit.testing.write_mnist": "a stand-in dataset in the real file format, for tests",
     # Training pieces for a loop of one's own.
     "meshkit.ensemble.classification_values": "per-example values of a member's loss",
-    "meshkit.train.parts.init_state_from_key": "a train state from a key, inside one's own jit",
     "meshkit.train.JsonlWriter": "fit's default writer, to pass beside others",
 }
 """Names used nowhere in ``USED_WHERE``, each with the reason it is public."""
