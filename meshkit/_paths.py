@@ -41,8 +41,6 @@ def as_path(path: PathLike) -> epath.Path:
 
 
 _STORE_PACKAGES = {"gs": ("gcsfs", "gcs", "Google Cloud Storage"), "s3": ("s3fs", "s3", "S3")}
-STORE_PACKAGE_NAMES = tuple(package for package, _, _ in _STORE_PACKAGES.values())
-"""The client packages an object-store workdir needs (the ``name`` of their ImportError)."""
 
 _STORE_HOSTS = {
     "gs": ("STORAGE_EMULATOR_HOST", "storage.googleapis.com"),

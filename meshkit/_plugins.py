@@ -34,6 +34,7 @@ def has_nvidia_gpus() -> bool:
 
 
 def libtpu_installed() -> bool:
+    """Whether libtpu is installed (``meshkit[tpu]``: the TPU compiler, no TPU needed)."""
     return importlib.util.find_spec("libtpu") is not None
 
 

@@ -4,7 +4,6 @@ at once, and libtpu says nothing on a machine without TPUs. Skipped without libt
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from meshkit._plugins import has_tpu_devices
+from meshkit._plugins import has_tpu_devices, libtpu_installed
 
 pytestmark = [
     pytest.mark.tpu,
     pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None,
+        not libtpu_installed(),
         reason='needs libtpu: nox -s plan_tpu (pip install "meshkit[tpu]")',
     ),
 ]

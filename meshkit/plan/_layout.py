@@ -229,12 +229,9 @@ def installed_compilers() -> tuple[str, ...]:
         >>> installed_compilers()[0]
         'cpu'
     """
-    import importlib.util
+    from meshkit._plugins import cuda_plugin_installed, libtpu_installed
 
-    from meshkit._plugins import cuda_plugin_installed
-
-    tpu = importlib.util.find_spec("libtpu") is not None
-    return ("cpu", *("tpu",) * tpu, *("gpu",) * cuda_plugin_installed())
+    return ("cpu", *("tpu",) * libtpu_installed(), *("gpu",) * cuda_plugin_installed())
 
 
 def target_devices(target: Target) -> list[Any]:
