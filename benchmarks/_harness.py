@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import platform
 import statistics
@@ -15,6 +16,7 @@ import flax.linen as nn
 import jax
 
 import meshkit
+from benchmarks import quoted
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -92,6 +94,7 @@ def environment() -> dict[str, Any]:
         "devices": len(devices),
         "processes": jax.process_count(),
         "machine": platform.machine(),
+        "date": datetime.date.today().isoformat(),
     }
 
 
@@ -117,12 +120,21 @@ def report(
     return {"title": title, "baseline": baseline, "candidates": rows}
 
 
-def save(name: str, results: dict[str, Any]) -> Path:
-    """Writes ``benchmarks/results/<name>.json`` with the environment beside the numbers."""
+def save(
+    name: str,
+    results: dict[str, Any],
+    tables: quoted.Tables | None = None,
+) -> Path:
+    """Writes ``benchmarks/results/<name>.json`` with the environment beside the numbers,
+    and ``<name>.md`` with the run's ``versions`` line and its ``tables`` (what the docs
+    quote once the run is recorded: ``python -m benchmarks.quoted record <name>``)."""
     RESULTS.mkdir(exist_ok=True)
+    run = {"environment": environment(), **results}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), **results}, indent=2))
+    path.write_text(json.dumps(run, indent=2))
     print(f"\nwrote {path}")
+    if tables is not None:
+        quoted.write_tables(RESULTS, name, run, tables)
     return path
 
 

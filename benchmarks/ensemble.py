@@ -31,6 +31,7 @@ import argparse
 import functools
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import meshkit
 
@@ -46,6 +47,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks._harness import interleave, report, save, stopped_by_a_signal  # noqa: E402
+from benchmarks.quoted import markdown_table  # noqa: E402
 from meshkit import data, ensemble, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     on_cpu = jax.devices()[0].platform == "cpu"
     one = one_device(images, labels, rounds=3 if on_cpu else 5)
     if n < 8:  # the HOWTO's program needs one device per member
-        save("ensemble", {"one_device": one})
+        save("ensemble", {"one_device": one}, tables)
         return
 
     candidates = {
@@ -390,7 +392,89 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.alternatives:
         result["alternatives"] = alternatives(images, labels)
-    save("ensemble", {**result, "one_device": one})
+    save("ensemble", {**result, "one_device": one}, tables)
+
+
+LABELS = {
+    "HOWTO pmap, K=8": "the HOWTO's `pmap` program, K=8",
+    "meshkit K=8, ensemble=8": "meshkit K=8, `ensemble=8`",
+    "meshkit K=16, ensemble=8": "meshkit K=16, `ensemble=8` (2 members per device)",
+    "meshkit K=8, ensemble=8, donate=False": "meshkit K=8, `ensemble=8`, state not donated",
+    "meshkit K=8, ensemble=4,data=2": "meshkit K=8, `ensemble=4,data=2`",
+    "meshkit K=8, ensemble=2,data=4": "meshkit K=8, `ensemble=2,data=4`",
+}
+STRATEGY_LABELS = (
+    ("K=8", "one member", "one member alone"),
+    ("K=8", "K=8 jit(vmap)", "K=8, hand-written `jit(vmap)`"),
+    ("K=8", "K=8 loop", 'K=8, meshkit `strategy="loop"` (the CPU default)'),
+    ("K=8", "K=8 vmap", 'K=8, meshkit `strategy="vmap"`'),
+    ("K=32", "K=32 loop", 'K=32, meshkit `"loop"`'),
+    ("K=32", "K=32 vmap", 'K=32, meshkit `"vmap"`'),
+)
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``strategies``: K members on one device with each member strategy (per step, per
+    member-step, against a hand-written ``jit(vmap)`` from totals at K=8, compile
+    seconds); with 8 devices also ``table``, the ensemble step against the HOWTO's pmap
+    program, and ``ratios``, what the table's rows give."""
+    strategies = []
+    for group, name, label in STRATEGY_LABELS:
+        measured = run["one_device"][group]
+        row = measured["candidates"][name]
+        members = 1 if name == "one member" else int(group.removeprefix("K="))
+        strategies.append(
+            [
+                label,
+                f"{row['median_s'] * 1e3:,.1f}",
+                f"{row['median_s'] / members * 1e3:,.1f}",
+                f"{row['ratio_of_totals_vs_baseline']:.2f}" if group == "K=8" else "",
+                f"{measured['compile_seconds'][name]:.1f}",
+            ]
+        )
+    header = ["candidate", "median ms/step", "ms per member-step", "vs `jit(vmap)` (totals)"]
+    made = {"strategies": markdown_table([*header, "compile s"], strategies)}
+    if "candidates" not in run:
+        return made
+    rows = [
+        [
+            label,
+            f"{c['median_s'] * 1000.0:.1f}",
+            f"{c['total_s']:.3f}",
+            f"{c['ratio_of_totals_vs_baseline']:.3f}",
+            str(c["compiles"]),
+        ]
+        for name, label in LABELS.items()
+        for c in [run["candidates"][name]]
+    ]
+    header = ["candidate", "median ms/step", "total s", "total / pmap", "compiles"]
+    made["table"] = markdown_table(header, rows)
+    whole = run["whole_run"]
+    ratios = [
+        [
+            "meshkit K=8 / pmap, time per step",
+            f"{run['median_ratio_meshkit_k8_over_pmap']:.3f}",
+            f"{run['total_ratio_meshkit_k8_over_pmap']:.3f}",
+        ],
+        [
+            "K=16 / K=8, time per member-step",
+            f"{run['median_per_member_ratio_k16_over_k8']:.3f}",
+            f"{run['total_per_member_ratio_k16_over_k8']:.3f}",
+        ],
+    ]
+    made["ratios"] = markdown_table(["", "of medians", "of totals"], ratios)
+    made["whole_run"] = markdown_table(
+        ["a whole `fit` run", "steps", "evaluated examples", "ensemble-step compiles"],
+        [
+            [
+                "K=8",
+                str(whole["steps"]),
+                str(whole["test_examples"]),
+                str(whole["train_step_compiles"]),
+            ]
+        ],
+    )
+    return made
 
 
 if __name__ == "__main__":

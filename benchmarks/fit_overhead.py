@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.quoted import markdown_table
+
 CASES: dict[str, tuple[str, str, int, int, str]] = {
     # key: (title, model, devices, steps, the fixed size beside 'auto')
     "mlp-1-20000": ("tiny MLP, 1 device, 20,000 steps", "mlp", 1, 20000, "1"),
@@ -170,7 +172,30 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--cases: unknown {unknown}; choose from {','.join(CASES)}")
     from benchmarks._harness import save
 
-    save("fit_overhead", {"cases": [measure(key, args.rounds) for key in keys]})
+    save("fit_overhead", {"cases": [measure(key, args.rounds) for key in keys]}, tables)
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: each case's median seconds of the bare loop and of ``fit`` (fresh
+    processes, timed from outside, compiles included), ``fit`` / bare as rates from totals,
+    what ``'auto'`` chose, and the size it did not choose."""
+    rows = []
+    for case in run["cases"]:
+        median, over = case["median_seconds"], case["over_bare"]
+        auto = "fit, 'auto'"
+        fixed = next(label for label in median if label.startswith("fit, N="))
+        rows.append(
+            [
+                case["case"],
+                f"{median['bare loop']:.2f} s",
+                f"{median[auto]:.2f} s",
+                f"**{over[auto]:.2f}×**",
+                ", ".join(str(n) for n in case["auto_chose"]),
+                f"{over[fixed]:.2f}× ({fixed.removeprefix('fit, ')})",
+            ]
+        )
+    header = ["case", "bare loop", "`fit`, `'auto'`", "`fit` / bare", "`'auto'` chose"]
+    return {"table": markdown_table([*header, "the other size / bare"], rows)}
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from benchmarks._harness import (  # noqa: E402
     report,
     save,
 )
+from benchmarks.quoted import markdown_table  # noqa: E402
 from meshkit import data  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -114,7 +115,27 @@ def main() -> None:
                     steps=2000,
                 )
             )
-    save("host_placement", {"cases": results, "auto_chooses": "loop" if ON_CPU else "thread"})
+    save(
+        "host_placement",
+        {"cases": results, "auto_chooses": "loop" if ON_CPU else "thread"},
+        tables,
+    )
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: ``fit``'s host-input rate with the loop's placement and with a placing
+    thread, at 1 and 32 steps per dispatch, and thread / loop from totals."""
+    rows = []
+    for case in run["cases"]:
+        rate = case["steps_per_second"]
+        cells = [case["title"]]
+        for n, ratio in case["thread_over_loop"].items():
+            cells += [f"{rate[f'loop, N={n}']:,.0f}", f"{rate[f'thread, N={n}']:,.0f}"]
+            cells.append(f"**{float(ratio):.2f}×**")
+        rows.append(cells)
+    header = ["case", "loop, N=1 (steps/s)", "thread, N=1", "thread / loop"]
+    header += ["loop, N=32", "thread, N=32", "thread / loop"]
+    return {"table": markdown_table(header, rows)}
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 import meshkit
+from benchmarks.quoted import markdown_table
 
 BATCH = 128
 BATCHES = 12
@@ -340,7 +341,88 @@ def main() -> None:
         f"= {BATCH / step:,.0f} images/s to feed"
     )
     results["resnet18_step"] = {"median_s": step, "images_per_s": BATCH / step}
-    save("input_pipeline", results)
+    save("input_pipeline", results, tables)
+
+
+def _sizes(run: dict[str, Any]) -> list[str]:
+    """The image sets of a run, in the order measured."""
+    return [key for key, value in run.items() if isinstance(value, dict) and "candidates" in value]
+
+
+def _label(size: str) -> str:
+    """``32×32``, ``256×256 → 224``."""
+    return size.replace("x", "×").replace("->", "→")
+
+
+def _images(rate: float, limit: float) -> str:
+    return f"{rate:,.0f} ({rate / limit:.2f}×)"
+
+
+def _settings_table(run: dict[str, Any], members: bool) -> str:
+    """Images per second of each setting (host settings and decode-only input, or K
+    member orders) per image size, against the limit; the host default in bold, and
+    for host settings the fastest named."""
+    columns: list[str] = []
+    for size in _sizes(run):
+        for name in run[size]["candidates"]:
+            base = name.split(" = ")[0]
+            if base.startswith("members=") == members and base not in columns:
+                columns.append(base)
+    rows = []
+    for size in _sizes(run):
+        measured, limit = run[size], run[size]["limit_images_per_second"]
+        by_base = {name.split(" = ")[0]: name for name in measured["candidates"]}
+        if members and not any(base in by_base for base in columns):
+            continue
+        cells = [_label(size), f"{limit:,.0f}"]
+        for base in columns:
+            name = by_base.get(base)
+            cell = _images(measured["candidates"][name]["images_per_s"], limit) if name else ""
+            cells.append(f"**{cell}**" if name == measured["host_default_row"] else cell)
+        if not members:
+            fastest = measured["fastest_host_setting"]
+            same = " (the default)" if fastest == measured["host_default_row"] else ""
+            cells.append(fastest.split(" = ")[0] + same)
+        rows.append(cells)
+    header = ["JPEG, trained size", f"limit ({run['cores']} cores)", *columns]
+    if members:
+        return markdown_table(header, rows)
+    return markdown_table(
+        [*header, "fastest host setting"], rows, "l" + "r" * len(header[1:]) + "l"
+    )
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: every host setting and decode-only input, per image size, against the
+    limit; ``defaults``: the host default and the recipe's default as shares of it;
+    ``device``: what the devices do per batch (the recipe's train step, the device
+    augmentation of decode-only input); ``members``: K member orders at once."""
+    defaults, device = [], []
+    step = run["resnet18_step"]
+    device.append(["the recipe's ResNet-18 train step, 32×32"])
+    device[-1] += [f"{step['median_s'] * 1e3:.0f}", f"{step['images_per_s']:,.0f}"]
+    for size in _sizes(run):
+        measured = run[size]
+        limit = measured["limit_images_per_second"]
+        host = measured["host_default_images_per_second"] / limit
+        default = measured["default_images_per_second"] / limit
+        if measured["default_augmentation"] == "device":
+            how = "decode only, augmented on the devices"
+        elif measured["default_settings"]["num_threads"]:
+            how = "threads on the host"
+        else:
+            how = "workers on the host"
+        defaults.append([_label(size), f"{limit:,.0f}", f"{host:.2f}×", f"{default:.2f}× ({how})"])
+        augment = measured["device_augment_ms_per_batch"]
+        device.append([f"device augmentation, {_label(size)}", f"{augment:.1f}", ""])
+    header = ["images", "limit (images/s)", "host default (`input_settings`)", "recipe default"]
+    batch = f"ms per batch of {run['batch']}"
+    return {
+        "table": _settings_table(run, members=False),
+        "defaults": markdown_table(header, defaults),
+        "device": markdown_table(["on 8 fake CPU devices", batch, "images/s"], device),
+        "members": _settings_table(run, members=True),
+    }
 
 
 if __name__ == "__main__":

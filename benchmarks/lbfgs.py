@@ -51,6 +51,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 from benchmarks._harness import interleave, report, save  # noqa: E402
 from benchmarks._hlo import operations_per_call  # noqa: E402
 from benchmarks._lbfgs_peers import jaxopt_run, optax_loop  # noqa: E402
+from benchmarks.quoted import markdown_table  # noqa: E402
 from meshkit import lbfgs  # noqa: E402
 
 ON_CPU = jax.devices()[0].platform == "cpu"
@@ -426,7 +427,7 @@ def main() -> None:
     result["scaling"] = scaling(mesh)
     if ON_CPU:  # process RSS measures device memory only on the CPU backend
         result["peak_memory"] = peak_memory()
-    save("lbfgs", result)
+    save("lbfgs", result, tables)
 
 
 def peak_memory() -> dict[str, Any]:
@@ -481,6 +482,103 @@ def measure_one(name: str) -> None:
             {"before_mib": before, "peak_mib": peak, "growth_mib": peak - before, "reset": reset}
         )
     )
+
+
+SOLVERS = {
+    "notebook jaxopt loop (ported)": "the notebook's loop, ported",
+    "jaxopt.LBFGS.run, jitted": "`jaxopt.LBFGS.run`, jitted",
+    "optax.lbfgs, jitted loop": "`optax.lbfgs`, jitted loop",
+    "meshkit.lbfgs solve": "`meshkit.lbfgs` `solve` (defaults)",
+    "meshkit, history_size=10": "`meshkit.lbfgs`, `history_size=10`",
+}
+
+
+def _solver_table(problem: dict[str, Any]) -> str:
+    """One read of X (the floor of an evaluation), then each solver's iterations,
+    evaluations, cost per evaluation and meshkit's time over its time (bold where
+    meshkit is faster than a peer)."""
+    read = problem["one_read_of_x_ms"]
+    label = "one read of X"
+    if "bandwidth_gb_per_s" in problem:
+        label += f" ({problem['bandwidth_gb_per_s'] * read:,.0f} MB at"
+        label += f" {problem['bandwidth_gb_per_s']:.1f} GB/s)"
+    rows = [[label, "", "", f"{read:.1f}", "1.00", ""]]
+    for name, label in SOLVERS.items():
+        row = problem["candidates"].get(name)
+        if row is None:
+            continue
+        ratio = f"{row['meshkit_total_over_this']:.3f}"
+        peer = not name.startswith("meshkit")
+        rows.append(
+            [
+                label,
+                str(row["iterations"]),
+                f"{row['evaluations']}{' ¹' if 'jaxopt' in name else ''}",
+                f"{row['ms_per_evaluation']:.1f}",
+                f"{row['evaluation_over_one_read']:.2f}",
+                f"**{ratio}**" if peer and row["meshkit_total_over_this"] < 1 else ratio,
+            ]
+        )
+    header = ["solver", "iterations", "evaluations", "ms / evaluation", "× one read of X"]
+    return markdown_table([*header, "meshkit / this"], rows)
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """A solver table per problem (``seed``, ``ill_conditioned``, ``large``); the
+    time per iteration at three sizes (``scaling``); the final objective against
+    scipy's (``exactness``); operations per iteration (``operations``); compiles
+    (``compiles``); on a CPU the peak resident memory of a first solve (``peak_memory``)."""
+    made = {name: _solver_table(problem) for name, problem in run["problems"].items()}
+    scaling = [
+        [
+            f"{int(size):,}",
+            f"{row['ms_per_iteration']:.1f}",
+            f"{row['ms_per_evaluation']:.1f}",
+            f"{row['evaluations'] / row['iterations']:.2f}",
+        ]
+        for size, row in run["scaling"].items()
+    ]
+    header = ["rows", "ms / iteration", "ms / evaluation", "evaluations / iteration"]
+    made["scaling"] = markdown_table(header, scaling, "rrrr")
+    meshkit = run["problems"]["seed"]["candidates"]["meshkit.lbfgs solve"]["value"]
+    exactness = [
+        ["`meshkit.lbfgs` (float32)", f"{meshkit:.7f}", f"{run['relative_gap_to_scipy']:.1e}"],
+        ["scipy's L-BFGS-B (float64)", f"{run['scipy']['value']:.7f}", ""],
+    ]
+    made["exactness"] = markdown_table(["", "final objective", "relative gap"], exactness)
+    ops = run["operations_per_iteration"]
+    made["operations"] = markdown_table(
+        ["one compiled step", "outside the line search", "per line-search evaluation"],
+        [["`history_size=20`", str(ops["fixed"]), str(ops["per_trip_0"])]],
+    )
+    counts = run["compile_counts"]
+    made["compiles"] = markdown_table(
+        ["", "calls", "compiles"],
+        [
+            ["`solve`", str(counts["solves"]), str(counts["solve_compiles"])],
+            [
+                "`solve_many` (4 strengths each)",
+                str(counts["grid_solves"]),
+                str(counts["grid_compiles"]),
+            ],
+        ],
+    )
+    if "peak_memory" in run:
+        peaks = [
+            [
+                label,
+                f"{row['before_mib']:.0f}",
+                f"{row['peak_mib']:.0f}",
+                f"{row['growth_mib']:.0f}",
+            ]
+            for label, row in (
+                ("the notebook's loop", run["peak_memory"]["seed"]),
+                ("`meshkit.lbfgs`", run["peak_memory"]["meshkit"]),
+            )
+        ]
+        header = ["a first solve", "before (MiB)", "peak (MiB)", "growth (MiB)"]
+        made["peak_memory"] = markdown_table(header, peaks)
+    return made
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ their speed is a GPU/TPU question. The memory numbers hold on any backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import meshkit
 
 meshkit.distributed.initialize(cpu_devices=8)
@@ -28,6 +30,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks.quoted import markdown_table  # noqa: E402
 from meshkit import train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -109,7 +112,41 @@ def main() -> None:
             f"{numbers['temp_bytes'] / base:>9.3f} {numbers['argument_bytes'] / 2**20:>14.2f}"
         )
     result["memory"] = memory
-    save("precision", result)
+    save("precision", result, tables)
+
+
+LABELS = {
+    "f32": "f32",
+    "bf16": "bf16",
+    "f16 + loss scaling": "f16 + loss scaling",
+    "f32, 4 micro-batches, unrolled": "f32, 4 micro-batches, unrolled (CPU's default)",
+    "f32, 4 micro-batches, one loop": "f32, 4 micro-batches, one loop (GPU's and TPU's)",
+    "f32, 8 micro-batches, unrolled": "f32, 8 micro-batches, unrolled",
+    "f32, 8 micro-batches, one loop": "f32, 8 micro-batches, one loop",
+}
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: each precision and micro-batch form's step time, and XLA's temporaries
+    and arguments (state and batch) against f32's; in bold where a loop holds one
+    micro-batch's activations at a time."""
+    rows = []
+    f32 = run["memory"]["f32"]["temp_bytes"]
+    for name, label in LABELS.items():
+        timing, memory = run["candidates"][name], run["memory"][name]
+        ratio = f"{memory['temp_bytes'] / f32:.3f}"
+        rows.append(
+            [
+                label,
+                f"{timing['median_s'] * 1e3:.1f}",
+                f"{timing['ratio_of_totals_vs_baseline']:.3f}",
+                f"{memory['temp_bytes'] / 2**20:.2f}",
+                f"**{ratio}**" if "one loop" in name else ratio,
+                f"{memory['argument_bytes'] / 2**20:.2f}",
+            ]
+        )
+    header = ["candidate", "median ms/step", "total / f32", "temporaries MiB", "temp / f32"]
+    return {"table": markdown_table([*header, "arguments MiB"], rows)}
 
 
 if __name__ == "__main__":

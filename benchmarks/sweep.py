@@ -52,6 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks._harness import interleave, report, save, stopped_by_a_signal  # noqa: E402
+from benchmarks.quoted import markdown_table  # noqa: E402
 from meshkit import data, ensemble, sweep, train  # noqa: E402
 from meshkit.models import MnistCNN  # noqa: E402
 
@@ -259,7 +260,66 @@ def main(argv: list[str] | None = None) -> None:
         f"resident + auto / sweep (rates, from totals) {result['resident_auto_over_sweep']:.2f}x; "
         f"it ran {result['resident_auto_input']}"
     )
-    save("sweep", result)
+    save("sweep", result, tables)
+
+
+LABELS = {
+    SWEEP: "sweep (`run_sweep`, one program)",
+    SWEEP_RESIDENT: "sweep, resident data and `'auto'` steps per dispatch",
+    SEQUENTIAL: "sequential (16 `fit` runs)",
+}
+CELLS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "median": lambda c: f"{c['median_s']:.1f}",
+    "total": lambda c: f"{c['total_s']:.1f}",
+    "ratio": lambda c: f"{c['ratio_of_totals_vs_baseline']:.3f}",
+    "rate": lambda c: f"{c['member_steps_per_second']:.1f}",
+    "compiles": lambda c: str(c["compiles"]),
+    "step compiles": lambda c: str(max(c["train_step_compiles_per_call"])),
+    "compile s": lambda c: f"{c['median_compile_seconds']:.1f}",
+    "without compiles": lambda c: f"{c['median_seconds_excluding_compiles']:.1f}",
+    "accuracy": lambda c: f"{c['best_test_accuracy']:.4f}",
+}
+
+
+def _rows(run: dict[str, Any], cells: list[str]) -> list[list[str]]:
+    """One row per candidate with the ``cells`` named, the sweep's ratio in bold."""
+    rows = []
+    for name, label in LABELS.items():
+        row = [label] + [CELLS[cell](run["candidates"][name]) for cell in cells]
+        if name == SWEEP and "ratio" in cells:
+            row[1 + cells.index("ratio")] = f"**{row[1 + cells.index('ratio')]}**"
+        rows.append(row)
+    return rows
+
+
+def _point(point: dict[str, float]) -> str:
+    return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in point.items())
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: every column; ``summary``: four of them; ``best``: the setting each way
+    found best, and the largest difference of one setting's accuracy between the two."""
+    calls = run["candidates"][SEQUENTIAL]["rounds"]
+    header = ["candidate", "median s / 16 settings", f"total s ({calls} calls)"]
+    header += ["total / sequential", "member-steps/s", f"compiles ({calls} calls)"]
+    header += ["train step compiles per call", "median compile s", "median s without compiles"]
+    header += ["best test accuracy"]
+    summary = ["", "median s", "total / sequential", "member-steps/s", "train-step compiles"]
+    best = [
+        [LABELS[name], _point(c["best_point"]), f"{c['best_test_accuracy']:.4f}"]
+        for name, c in run["candidates"].items()
+        if name != SWEEP_RESIDENT
+    ]
+    difference, examples = run["max_accuracy_difference"], 360
+    images = f"{difference:.4f} ({round(difference * examples)} of {examples} images)"
+    best.append(["largest difference of one setting's test accuracy", "", images])
+    return {
+        "table": markdown_table(header, _rows(run, list(CELLS))),
+        "summary": markdown_table(
+            summary, _rows(run, ["median", "ratio", "rate", "step compiles"])
+        ),
+        "best": markdown_table(["", "best setting", "test accuracy"], best, "llr"),
+    }
 
 
 if __name__ == "__main__":

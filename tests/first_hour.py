@@ -9,8 +9,8 @@ installed). Then, from the clone, it runs the README's first command exactly as
 written (install with the ``recipes`` extra, then ``python3 -m recipes.data_parallel``)
 and every other recipe with no arguments, and checks that each printed its expected
 result. The wall time of each command is printed as a markdown table and written to
-``benchmarks/results/first_hour.json``; recorded (``python -m benchmarks.quoted record
-first_hour``), it is the table in docs/recipes/index.md and the README's timing.
+``benchmarks/results/first_hour.json`` (and ``.md``, its table); recorded (``python -m
+benchmarks.quoted record first_hour``), it is the table in docs/recipes/index.md.
 """
 
 from __future__ import annotations
@@ -178,6 +178,24 @@ def write_results(rows: list[tuple[str, float, str]]) -> None:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import quoted
+
+    quoted.write_tables(path.parent, "first_hour", results, tables)
+
+
+def tables(run: dict) -> dict[str, str]:
+    """``versions``: the machine and the date; ``table``: each command's wall time and
+    checked result."""
+    from benchmarks.quoted import markdown_table
+
+    env = run["environment"]
+    machine = f"{env['cores']} cores, {env['memory_gib']:.0f} GiB, Python {env['python']}"
+    rows = [[f"`{r['command']}`", f"{r['seconds']:.0f} s", r["result"]] for r in run["rows"]]
+    return {
+        "versions": f"{machine}; recorded {run['date']}",
+        "table": markdown_table(["command", "wall time", "result"], rows, "lrl"),
+    }
 
 
 if __name__ == "__main__":
