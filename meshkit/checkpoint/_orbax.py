@@ -170,11 +170,43 @@ class Storage:
         self._manager.close()
 
 
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """Orbax's standard handler, whose arrays are written from one replica each when
+    the run has one process.
+
+    Orbax's default cuts a replicated array into one part per replica and copies each
+    part from its own device ("replica-parallel"): across the hosts of a pod that
+    spreads the writes of a replicated state. In one process every part goes through
+    the same host anyway, and each cut is a slicing program compiled at the first save
+    (57 compiles, 3.1 of the 3.3 s of the MNIST CNN's first checkpoint on 8 CPU
+    devices). The files are the same either way, and the handler reads and names
+    itself as the standard one, so plain Orbax reads the checkpoint as before.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        if jax.process_count() > 1:
+            return
+        handlers = ocp.type_handlers
+        one_replica = handlers.ArrayHandler(use_replica_parallel=False)
+        registry = handlers.create_type_handler_registry(
+            *(
+                (kind, one_replica if kind is jax.Array else handlers.get_type_handler(kind))
+                for kind in handlers.supported_types()
+            )
+        )
+        self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+    @classmethod
+    def typestr(cls) -> str:
+        return ocp.StandardCheckpointHandler.typestr()
+
+
 def _item_handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     """Orbax's handler of each item a checkpoint holds, for saving and reading it."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     items = {
-        "state": (ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
+        "state": (ocp.args.StandardSave, ocp.args.StandardRestore, _StateHandler),
         "data": (ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
         "digest": (ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
     }
