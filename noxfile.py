@@ -27,6 +27,7 @@ def tests(session: nox.Session) -> None:
     multi-process tests and those that start a recipe of their own, then the SLURM
     tests (see ``slurm``)."""
     session.install("-e", ".[test]")
+    _install_transformers(session)
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     parallel = ["-n", WORKERS, "--dist", "loadfile"]
     single = "not multiprocess and not slurm and not tpu and not gpu_plan"
@@ -47,6 +48,21 @@ def tests(session: nox.Session) -> None:
     # tests among them need the cores they were written for.
     session.run("pytest", "tests", "-m", "multiprocess and not tpu", *args, env=cache)
     _slurm_tests(session, args, env=cache)
+
+
+def _install_transformers(session: nox.Session) -> None:
+    """torch's CPU build and transformers: the reference the LLaMA checkpoint tests
+    compare with (tests/test_hf_llama.py). The CPU wheel comes from the machine's pip
+    find-links folders (``PIP_FIND_LINKS``) where one lies there, else from PyTorch's CPU
+    index; a plain ``torch`` from PyPI would be a CUDA build of several GB."""
+    tag = f"cp{PYTHON.replace('.', '')}"
+    folders = os.environ.get("PIP_FIND_LINKS", "").split()
+    wheels = sorted(w for f in folders for w in Path(f).glob(f"torch-*+cpu-{tag}-*.whl"))
+    if wheels:
+        session.install(str(wheels[-1]))
+    else:
+        session.install("torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+    session.install("transformers>=4.45")
 
 
 def _compilation_cache(session: nox.Session) -> dict[str, str]:

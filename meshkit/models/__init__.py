@@ -11,6 +11,9 @@ import flax.linen as nn
 import jax
 
 from meshkit.models._attention import dot_product_attention as dot_product_attention
+from meshkit.models._hf_llama import llama_from_hf as llama_from_hf
+from meshkit.models._hf_llama import load_hf_params as load_hf_params
+from meshkit.models._hf_llama import save_hf_params as save_hf_params
 from meshkit.models._remat import RematPolicy as RematPolicy
 from meshkit.models._resnet import BasicBlock as BasicBlock
 from meshkit.models._resnet import Bottleneck as Bottleneck
@@ -18,6 +21,7 @@ from meshkit.models._resnet import ResNet as ResNet
 from meshkit.models._resnet import ResNet18 as ResNet18
 from meshkit.models._resnet import ResNet34 as ResNet34
 from meshkit.models._resnet import ResNet50 as ResNet50
+from meshkit.models._transformer import RopeScaling as RopeScaling
 from meshkit.models._transformer import Transformer as Transformer
 from meshkit.models._transformer import llama as llama
 from meshkit.models._transformer import llama_architecture as llama_architecture

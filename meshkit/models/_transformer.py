@@ -31,6 +31,7 @@ holds all the layers, each sharded as the other names say).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal
 
@@ -70,22 +71,78 @@ MlpKind = Literal["gelu", "swiglu"]
 """``"gelu"``: up, GELU, down (GPT); ``"swiglu"``: ``down(silu(gate(x)) * up(x))`` (LLaMA)."""
 
 
-def _norm(kind: Norm, name: str, param_dtype: Any = jnp.float32) -> nn.Module:
-    if kind == "rms":  # LLaMA's epsilon
+def _norm(
+    kind: Norm, name: str, param_dtype: Any = jnp.float32, epsilon: float | None = None
+) -> nn.Module:
+    if kind == "rms":  # LLaMA's epsilon unless told
         return nn.RMSNorm(
-            epsilon=1e-5, scale_init=_ones("embed"), param_dtype=param_dtype, name=name
+            epsilon=1e-5 if epsilon is None else epsilon,
+            scale_init=_ones("embed"),
+            param_dtype=param_dtype,
+            name=name,
         )
     return nn.LayerNorm(
-        scale_init=_ones("embed"), bias_init=_zeros("embed"), param_dtype=param_dtype, name=name
+        epsilon=1e-6 if epsilon is None else epsilon,
+        scale_init=_ones("embed"),
+        bias_init=_zeros("embed"),
+        param_dtype=param_dtype,
+        name=name,
     )
 
 
-def rotary_embedding(x_BxLxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of the rotary frequencies for contexts longer than trained.
+
+    Frequencies whose wavelength is shorter than ``original_max_length /
+    high_freq_factor`` positions stay; those longer than ``original_max_length /
+    low_freq_factor`` are divided by ``factor``; those between move smoothly from one
+    to the other (the ``"llama3"`` rope type of the published configurations).
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_length: int = 8192
+
+
+def rope_frequencies(
+    width: int, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """The rotary frequencies of a head of ``width``: ``base^(-2i / width)`` for each
+    pair ``i``, stretched by ``scaling`` where given.
+
+    Examples:
+        >>> rope_frequencies(4)
+        Array([1.  , 0.01], dtype=float32)
+    """
+    frequency_W = 1.0 / base ** (jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    if scaling is None:
+        return frequency_W
+    wavelength_W = 2 * math.pi / frequency_W
+    old = scaling.original_max_length
+    stretched_W = jnp.where(
+        wavelength_W > old / scaling.low_freq_factor, frequency_W / scaling.factor, frequency_W
+    )
+    smooth_W = (old / wavelength_W - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    between_W = (wavelength_W >= old / scaling.high_freq_factor) & (
+        wavelength_W <= old / scaling.low_freq_factor
+    )
+    smoothed_W = (1 - smooth_W) * stretched_W / scaling.factor + smooth_W * stretched_W
+    return jnp.where(between_W, smoothed_W, stretched_W)
+
+
+def rotary_embedding(
+    x_BxLxHxK: jax.Array, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> jax.Array:
     """Rotary position embedding (RoFormer; as LLaMA applies it to queries and keys).
 
     Each head's width ``K`` is split in two halves ``(a, b)``; at position ``p`` the pair
-    ``(a_i, b_i)`` is rotated by the angle ``p * base^(-2i / K)``. The product of a query
-    at position ``m`` and a key at ``n`` then depends on ``m - n`` only.
+    ``(a_i, b_i)`` is rotated by the angle ``p * base^(-2i / K)`` (``rope_frequencies``,
+    stretched by ``scaling`` where given). The product of a query at position ``m`` and
+    a key at ``n`` then depends on ``m - n`` only.
 
     Examples:
         >>> x = jnp.ones((1, 3, 2, 4))
@@ -96,7 +153,7 @@ def rotary_embedding(x_BxLxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
     length, width = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1]
     if width % 2:
         raise ValueError(f"Rotary embedding needs an even head width; got {width}.")
-    frequency_W = base ** (-jnp.arange(0, width, 2, dtype=jnp.float32) / width)
+    frequency_W = rope_frequencies(width, base, scaling)
     angle_LxW = jnp.arange(length, dtype=jnp.float32)[:, None] * frequency_W[None, :]
     cos_Lx1xW = jnp.cos(angle_LxW)[:, None, :]
     sin_Lx1xW = jnp.sin(angle_LxW)[:, None, :]
@@ -167,6 +224,7 @@ class CausalSelfAttention(nn.Module):
     rope_base: float | None = None
     use_bias: bool = True
     param_dtype: Any = jnp.float32
+    rope_scaling: RopeScaling | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
@@ -195,8 +253,8 @@ class CausalSelfAttention(nn.Module):
         k_BxLxGxK = project("key", kv_heads, kv_name)
         v_BxLxGxK = project("value", kv_heads, kv_name)
         if self.rope_base is not None:
-            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
-            k_BxLxGxK = rotary_embedding(k_BxLxGxK, self.rope_base)
+            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base, self.rope_scaling)
+            k_BxLxGxK = rotary_embedding(k_BxLxGxK, self.rope_base, self.rope_scaling)
         if grouped:  # each key and value head, once per query head of its group
             group = self.num_heads // kv_heads
             k_BxLxGxK, v_BxLxGxK = (jnp.repeat(t, group, axis=2) for t in (k_BxLxGxK, v_BxLxGxK))
@@ -274,6 +332,8 @@ class Block(nn.Module):
     mlp: MlpKind = "gelu"
     use_bias: bool = True
     param_dtype: Any = jnp.float32
+    rope_scaling: RopeScaling | None = None
+    norm_epsilon: float | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
@@ -286,13 +346,16 @@ class Block(nn.Module):
             self.rope_base,
             self.use_bias,
             self.param_dtype,
+            self.rope_scaling,
             name="attention",
         )
-        normed = _norm(self.norm, "attention_norm", self.param_dtype)(x_BxLxD)
+        epsilon = self.norm_epsilon
+        normed = _norm(self.norm, "attention_norm", self.param_dtype, epsilon)(x_BxLxD)
         x_BxLxD = x_BxLxD + dropout(attention(normed, train=train))
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
         mlp = Mlp(self.mlp_dim, self.mlp, self.use_bias, self.param_dtype, name="mlp")
-        x_BxLxD = x_BxLxD + dropout(mlp(_norm(self.norm, "mlp_norm", self.param_dtype)(x_BxLxD)))
+        normed = _norm(self.norm, "mlp_norm", self.param_dtype, epsilon)(x_BxLxD)
+        x_BxLxD = x_BxLxD + dropout(mlp(normed))
         return nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
 
 
@@ -342,6 +405,10 @@ class Transformer(nn.Module):
       rope_base: the base of the rotary frequencies (``positions="rope"``).
       param_dtype: the parameters' dtype (``jnp.bfloat16`` halves their memory; the
         compute dtype is the train state's precision).
+      rope_scaling: Llama 3.1's stretch of the rotary frequencies (``RopeScaling``);
+        ``None``: none.
+      norm_epsilon: the epsilon of every norm; ``None``: 1e-5 for RMSNorm (LLaMA's),
+        1e-6 for LayerNorm.
 
     ``llama(...)`` builds the LLaMA family's architecture (RoPE, RMSNorm, SwiGLU,
     grouped-query attention, no biases) at the published sizes.
@@ -384,6 +451,8 @@ class Transformer(nn.Module):
     use_bias: bool = True
     rope_base: float = 10000.0
     param_dtype: Any = jnp.float32
+    rope_scaling: RopeScaling | None = None
+    norm_epsilon: float | None = None
 
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
@@ -470,6 +539,8 @@ class Transformer(nn.Module):
             "mlp": self.mlp,
             "use_bias": self.use_bias,
             "param_dtype": self.param_dtype,
+            "rope_scaling": self.rope_scaling if self.positions == "rope" else None,
+            "norm_epsilon": self.norm_epsilon,
         }
         if self.scan_layers:
             layers = block(**shape, name="layers")
@@ -477,7 +548,7 @@ class Transformer(nn.Module):
         else:
             for layer in range(self.num_layers):
                 x_BxLxD = block(**shape, name=f"block_{layer}")(x_BxLxD, train)
-        x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype)(x_BxLxD)
+        x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype, self.norm_epsilon)(x_BxLxD)
         if self.tie_embeddings:
             logits_BxLxV = embed.attend(x_BxLxD)
         else:

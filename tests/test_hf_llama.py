@@ -1,0 +1,259 @@
+"""LLaMA-family checkpoints in the transformers layout, checked against transformers.
+
+The reference is transformers' own ``LlamaForCausalLM`` (and ``MistralForCausalLM``):
+tiny random models saved by its ``save_pretrained`` load into meshkit with the same
+logits, meshkit's export loads in transformers with the same logits, and import ->
+export -> import is bit-exact. The arithmetic runs once at 1 device; the layouts (FSDP,
+data x model) once at 8.
+
+These tests need torch (its CPU build) and transformers, which ``nox -s tests``
+installs; elsewhere they are skipped, saying so. The config refusals need neither.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.models import llama_from_hf, load_hf_params, save_hf_params
+
+REFERENCE = "needs torch and transformers (nox -s tests installs them)"
+
+TINY: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "grouped heads (Llama 3)": {"rope_theta": 500000.0},
+    "tied embeddings (Llama 3.2)": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "llama3 rope scaling (Llama 3.1)": {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    },
+    "every head its keys (Llama 2)": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5},
+}
+TOKENS = np.random.default_rng(0).integers(0, 96, size=(2, 24)).astype(np.int32)
+
+
+def reference():
+    torch = pytest.importorskip("torch", reason=REFERENCE)
+    transformers = pytest.importorskip("transformers", reason=REFERENCE)
+    return torch, transformers
+
+
+def saved_by_transformers(
+    folder: Path,
+    fields: dict[str, Any],
+    *,
+    mistral: bool = False,
+    dtype: str = "float32",
+    shard: str = "5GB",
+) -> Any:
+    """A random model of ``fields`` saved by transformers' ``save_pretrained``."""
+    torch, transformers = reference()
+    torch.manual_seed(0)
+    config_type = transformers.MistralConfig if mistral else transformers.LlamaConfig
+    model_type = transformers.MistralForCausalLM if mistral else transformers.LlamaForCausalLM
+    extra = {"sliding_window": None} if mistral else {}
+    model = model_type(config_type(**{**TINY, **fields, **extra}))
+    with torch.no_grad():  # norms start at one: give them values a swap would show
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.uniform_(0.5, 1.5)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(folder, max_shard_size=shard)
+    return model
+
+
+def transformers_logits(model: Any) -> np.ndarray:
+    torch, _ = reference()
+    with torch.no_grad():
+        return model.float()(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+
+
+def meshkit_logits(model: nn.Module, params: Any) -> np.ndarray:
+    return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS)), np.float32)
+
+
+def initial_params(model: nn.Module) -> Any:
+    return nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))["params"]
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_saved_by_transformers_gives_its_logits(tmp_path: Path, variant: str):
+    expected = transformers_logits(saved_by_transformers(tmp_path, VARIANTS[variant]))
+    model = llama_from_hf(tmp_path)
+    params = load_hf_params(tmp_path, initial_params(model))
+    assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+
+
+@pytest.mark.once
+def test_a_mistral_style_config_reads_as_llama(tmp_path: Path):
+    expected = transformers_logits(saved_by_transformers(tmp_path, {}, mistral=True))
+    model = llama_from_hf(tmp_path)
+    params = load_hf_params(tmp_path, initial_params(model))
+    assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+
+
+@pytest.mark.once
+def test_a_bfloat16_checkpoint_is_read_as_it_is_or_cast(tmp_path: Path):
+    reference_model = saved_by_transformers(
+        tmp_path, VARIANTS["grouped heads (Llama 3)"], dtype="bfloat16"
+    )
+    kept = llama_from_hf(tmp_path)
+    assert kept.param_dtype == jnp.bfloat16
+    kept_params = load_hf_params(tmp_path, initial_params(kept))
+    up = reference_model.model.layers[1].mlp.up_proj.weight.detach().float().numpy()
+    read = np.asarray(kept_params["block_1"]["mlp"]["up"]["kernel"]).astype(np.float32)
+    np.testing.assert_array_equal(read, up.T)  # bfloat16 both sides: the same bits
+    cast = llama_from_hf(tmp_path, param_dtype=jnp.float32)
+    cast_params = load_hf_params(tmp_path, initial_params(cast))
+    expected = transformers_logits(reference_model)  # the bfloat16 weights, in float32
+    assert relative_difference(meshkit_logits(cast, cast_params), expected) <= 1e-4
+
+
+@pytest.mark.once
+def test_an_export_loads_in_transformers_with_the_same_logits(tmp_path: Path):
+    _, transformers = reference()
+    saved_by_transformers(tmp_path / "in", VARIANTS["llama3 rope scaling (Llama 3.1)"])
+    model = llama_from_hf(tmp_path / "in")
+    params = load_hf_params(tmp_path / "in", initial_params(model))
+    params = jax.tree.map(lambda x: x * 1.01, params)  # not the weights transformers wrote
+    written = save_hf_params(params, model, tmp_path / "out", max_shard_bytes=20_000)
+    assert {p.name for p in written} >= {"config.json", "model.safetensors.index.json"}
+    assert len([p for p in written if p.suffix == ".safetensors"]) > 1
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    expected = transformers_logits(loaded)
+    assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+
+
+@pytest.mark.once
+def test_import_export_import_is_bit_exact_scanned_or_not(tmp_path: Path):
+    saved_by_transformers(tmp_path / "in", VARIANTS["tied embeddings (Llama 3.2)"], shard="8KB")
+    scanned = llama_from_hf(tmp_path / "in", scan_layers=True)
+    first = load_hf_params(tmp_path / "in", initial_params(scanned))
+    assert first["layers"]["attention"]["query"]["kernel"].shape == (2, 32, 4, 8)
+    save_hf_params(first, scanned, tmp_path / "out", max_shard_bytes=8_000)
+    plain = llama_from_hf(tmp_path / "out")
+    again = load_hf_params(tmp_path / "out", initial_params(plain))
+    for layer in range(2):
+        for a, b in zip(
+            jax.tree.leaves(jax.tree.map(lambda x, k=layer: x[k], first["layers"])),
+            jax.tree.leaves(again[f"block_{layer}"]),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(again["embed"]["embedding"], first["embed"]["embedding"])
+    reference_files = sorted(p.name for p in (tmp_path / "in").glob("*.safetensors"))
+    assert len(reference_files) > 1  # the import read shards, through the index
+
+
+NONE = dict.fromkeys(("vocab", "embed", "mlp", "heads", "kv_heads", "kv"))
+
+
+@pytest.mark.once(8)
+@pytest.mark.parametrize(
+    ("mesh_shape", "table"),
+    [
+        ("data=8", {**NONE, "embed": "data"}),
+        ("data=4,model=2", {**NONE, "heads": "model", "kv_heads": "model", "mlp": "model"}),
+    ],
+    ids=["fsdp", "data x model"],
+)
+def test_any_layout_reads_its_own_slices_and_gives_the_logits(
+    tmp_path: Path, mesh_shape: str, table: dict[str, str | None]
+):
+    import optax
+
+    from meshkit import train
+
+    reference_model = saved_by_transformers(tmp_path, VARIANTS["grouped heads (Llama 3)"])
+    expected = transformers_logits(reference_model)
+    model = llama_from_hf(tmp_path)
+    mesh = meshkit.make_mesh(mesh_shape)
+    rules = meshkit.PartitionRules(logical=table)
+    wrapped = train.linen_model(model, jnp.zeros((1, 8), jnp.int32))
+    state = train.create_train_state(wrapped, optax.sgd(0.1), mesh, rules=rules)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params
+    )
+    params = load_hf_params(tmp_path, abstract)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
+        assert got.sharding == want.sharding
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(params))
+    assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "vocab_size": 96,
+}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures ['GPT2LMHeadModel']"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"head_dim": 16}, "head_dim=16"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters of type"),
+    ],
+)
+def test_a_config_meshkit_cannot_read_is_refused_naming_the_field(change: dict, named: str):
+    with pytest.raises(ValueError, match=r"config\.json: ") as error:
+        llama_from_hf({**BASE, **change})
+    assert named in str(error.value)
+
+
+@pytest.mark.once
+def test_weights_that_do_not_fit_the_config_are_named(tmp_path: Path):
+    model = llama_from_hf(BASE)
+    params = initial_params(model)
+    save_hf_params(params, model, tmp_path)
+    wider = llama_from_hf({**BASE, "intermediate_size": 48})
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\)"
+    ):
+        load_hf_params(tmp_path, initial_params(wider))
+    deeper = llama_from_hf({**BASE, "num_hidden_layers": 2})
+    with pytest.raises(
+        ValueError, match=r"no tensor 'model\.layers\.1\.self_attn\.q_proj\.weight'"
+    ):
+        load_hf_params(tmp_path, initial_params(deeper))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
