@@ -257,3 +257,47 @@ def test_weights_that_do_not_fit_the_config_are_named(tmp_path: Path):
         load_hf_params(tmp_path, initial_params(deeper))
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+
+
+def read_logits_and_write_back(folder: str, out: str) -> np.ndarray:
+    """In each of several processes: the checkpoint read under FSDP over every process's
+    devices, its logits, and the weights written back (by process 0)."""
+    import optax
+
+    from meshkit import train
+
+    model = llama_from_hf(folder)
+    mesh = meshkit.make_mesh("data=-1")
+    rules = meshkit.PartitionRules(logical={**NONE, "embed": "data"})
+    state = train.create_train_state(
+        train.linen_model(model, jnp.zeros((1, 8), jnp.int32)), optax.sgd(0.1), mesh, rules=rules
+    )
+    params = load_hf_params(folder, state.params)
+    assert not any(leaf.is_fully_addressable for leaf in jax.tree.leaves(params))
+    logits = jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS))
+    save_hf_params(params, model, out, max_shard_bytes=20_000)
+    return np.asarray(meshkit.to_host(logits))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_read_their_slices_and_write_the_same_checkpoint(tmp_path: Path):
+    from safetensors.numpy import load_file
+
+    from meshkit.testing import run_processes
+
+    reference_model = saved_by_transformers(
+        tmp_path / "in", VARIANTS["grouped heads (Llama 3)"], shard="20KB"
+    )
+    expected = transformers_logits(reference_model)
+    for logits in run_processes(
+        read_logits_and_write_back, str(tmp_path / "in"), str(tmp_path / "out")
+    ):
+        assert relative_difference(logits, expected) <= 1e-4
+
+    def tensors(folder: Path) -> dict[str, np.ndarray]:
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    written, original = tensors(tmp_path / "out"), tensors(tmp_path / "in")
+    assert sorted(written) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value)
