@@ -292,6 +292,48 @@ def test_bad_input_gets_clear_errors() -> None:
         planning.plan(bad, [planning.Layout({"data": 8})], TARGET, progress=False)
 
 
+LLAMA_3_8B_CONFIG = {  # the published config.json of Llama 3 8B, as transformers writes it
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.once
+def test_a_transformers_config_plans_the_model_it_describes(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from meshkit.models import llama_from_hf
+    from meshkit.plan import _cli
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B_CONFIG))
+    shape = _cli._hf_shape(tmp_path)
+    assert shape is not None
+    assert {k: shape[k] for k in _cli.MODELS["llama-8b"]} == _cli.MODELS["llama-8b"]
+    model = llama_from_hf(tmp_path, max_length=8)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == 8_030_261_248
+    (tmp_path / "bias.json").write_text(json.dumps({**LLAMA_3_8B_CONFIG, "mlp_bias": True}))
+    with pytest.raises(SystemExit):
+        _cli.main(["--hf-config", str(tmp_path / "bias.json")])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        f"python -m meshkit.plan: error: --hf-config {tmp_path / 'bias.json'}: config.json: "
+        "mlp_bias=True is not supported: meshkit's LLaMA has no biases and attends to every "
+        "earlier position."
+    )
+
+
 @pytest.mark.once
 def test_planning_a_7b_model_allocates_none_of_its_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
     argv = ["--model", "gpt-7b", "--devices", "8", "--tensor", "8", "--fsdp", "1", "--remat",

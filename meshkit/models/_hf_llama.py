@@ -108,11 +108,11 @@ def llama_from_hf(config: str | Path | Mapping[str, Any], **overrides: Any) -> T
     """
     if not isinstance(config, Mapping):
         config = read_config(config)
-    return Transformer(**{**_fields(config), **overrides})
+    return Transformer(**{**transformer_fields(config), **overrides})
 
 
-def _fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``Transformer`` fields of a transformers ``config.json``."""
+def transformer_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``Transformer`` fields of a transformers ``config.json`` (see ``llama_from_hf``)."""
     architectures = config.get("architectures") or [f"{config.get('model_type')!s} model"]
     if not set(architectures) <= set(ARCHITECTURES):
         raise ValueError(

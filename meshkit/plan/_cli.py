@@ -66,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="gpt-1.3b", choices=sorted(MODELS))
     p.add_argument(
+        "--hf-config",
+        type=Path,
+        help="a Llama-family config.json in the transformers layout (or its folder) to plan "
+        "instead of --model: size a checkpoint before downloading its weights",
+    )
+    p.add_argument(
         "--workload",
         help="module:function returning a meshkit.plan.Workload (instead of --model)",
     )
@@ -124,7 +130,7 @@ def _workload(args: argparse.Namespace) -> Any:
     from meshkit.plan._workloads import transformer_workload
 
     attention = args.attention or ("pallas" if args.compiler == "tpu" else "auto")
-    shape = {"vocab_size": GPT_VOCAB, **MODELS[args.model]}
+    shape = {"vocab_size": GPT_VOCAB, **(_hf_shape(args.hf_config) or MODELS[args.model])}
     if args.vocab is not None:
         shape["vocab_size"] = args.vocab
     return transformer_workload(
@@ -134,6 +140,28 @@ def _workload(args: argparse.Namespace) -> Any:
         attention=attention,
         param_dtype=jnp.bfloat16 if args.param_dtype == "bf16" else jnp.float32,
     )
+
+
+def _hf_shape(config: Path | None) -> dict[str, Any] | None:
+    """The ``Transformer`` fields of ``--hf-config`` but its length and dtype (those
+    come from ``--length`` and ``--param-dtype``); ``None`` without one."""
+    if config is None:
+        return None
+    from meshkit.models._hf_llama import read_config, transformer_fields
+
+    fields = transformer_fields(read_config(config))
+    return {k: v for k, v in fields.items() if k not in ("max_length", "param_dtype")}
+
+
+def _check_hf_config(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """A ``--hf-config`` meshkit cannot read ends in one line naming the flag."""
+    if args.hf_config is None:
+        return
+    try:
+        _hf_shape(args.hf_config)
+    except (OSError, ValueError, KeyError) as error:
+        what = f"no field {error}" if isinstance(error, KeyError) else error
+        p.error(f"--hf-config {args.hf_config}: {what}")
 
 
 def _user_workload(spec: str, remat: Sequence[str]) -> Any:
@@ -222,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result = plan(workload, layouts, target, progress=not args.quiet, keep_idle=args.keep_idle)
     except ValueError as error:  # a workload whose step cannot be traced: the cause, one line
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise SystemExit(f"{args.workload or args.model}: {first}") from None
+        raise SystemExit(f"{args.workload or args.hf_config or args.model}: {first}") from None
     print(result.table())
     print(result.describe_choice())
     if args.json:
@@ -267,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     _check_target(args, p)
+    _check_hf_config(args, p)
     import jax
 
     if args.compiler == "cpu":
