@@ -21,6 +21,7 @@ BENCHMARKS = [
     "sweep",
     "lbfgs",
     "plan",
+    "hf_import",
 ]
 
 

@@ -138,6 +138,24 @@ def save(
     return path
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory since the last ``reset_peak_rss`` (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
 def stopped_by_a_signal(result: Any) -> Any:
     """``result`` of a ``fit`` or ``run_sweep``, or the benchmark's end when a signal
     stopped that run: ``fit`` takes a SIGTERM or a first Ctrl-C as a preemption (it

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.quoted import markdown_table
+from benchmarks.quoted import markdown_table, versions
 
 CASES: dict[str, tuple[str, str, int, int, str]] = {
     # key: (title, model, devices, steps, the fixed size beside 'auto')
@@ -195,7 +195,10 @@ def tables(run: dict[str, Any]) -> dict[str, str]:
             ]
         )
     header = ["case", "bare loop", "`fit`, `'auto'`", "`fit` / bare", "`'auto'` chose"]
-    return {"table": markdown_table([*header, "the other size / bare"], rows)}
+    return {
+        "versions": versions(run["environment"], devices=False),  # each case names its own
+        "table": markdown_table([*header, "the other size / bare"], rows),
+    }
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ on new data and for a sweep and a grid of strengths, time per iteration at 10k, 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import meshkit
@@ -48,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from sklearn import datasets  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from benchmarks._harness import interleave, report, save  # noqa: E402
+from benchmarks._harness import interleave, peak_rss_mib, report, reset_peak_rss, save  # noqa: E402
 from benchmarks._hlo import operations_per_call  # noqa: E402
 from benchmarks._lbfgs_peers import jaxopt_run, optax_loop  # noqa: E402
 from benchmarks.quoted import markdown_table  # noqa: E402
@@ -70,24 +69,6 @@ def seed_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         n_samples=rows, n_features=FEATURES, n_classes=CLASSES, n_informative=50, random_state=seed
     )
     return np.asarray(x, np.float32), np.asarray(y, np.int32)
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory since the last ``reset_peak_rss`` (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 class SeedLoop:

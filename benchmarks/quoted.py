@@ -50,13 +50,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: 
     return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, rule, *rows])
 
 
-def versions(env: Mapping[str, Any]) -> str:
+def versions(env: Mapping[str, Any], *, devices: bool = True) -> str:
     """``Python 3.11.7, jax 0.10.2, flax 0.12.8, optax 0.2.8; 8 CPU devices; recorded
-    2026-11-28``: a benchmark run's software, devices and date."""
+    2026-11-28``: a benchmark run's software, devices (or only the platform, where each
+    case names its own) and date."""
     software = f"Python {env['python']}, jax {env['jax']}, flax {env['flax']}"
-    devices = f"{env['devices']} {env['platform'].upper()} device"
-    plural = "s" if env["devices"] != 1 else ""
-    return f"{software}, optax {env['optax']}; {devices}{plural}; recorded {env['date']}"
+    where = env["platform"].upper()
+    if devices:
+        where = f"{env['devices']} {where} device{'s' if env['devices'] != 1 else ''}"
+    return f"{software}, optax {env['optax']}; {where}; recorded {env['date']}"
 
 
 def tables_text(run: str, tables: Mapping[str, str]) -> str:

@@ -92,6 +92,17 @@ def check_transformer_lm(clone: Path, _out: str) -> str:
     return f"{bpc:.3f} bits per character < {target}"
 
 
+def check_finetune_lm(clone: Path, _out: str) -> str:
+    summary = _summary(clone, "finetune_lm")
+    before, after, target = (
+        summary["test_loss_before"],
+        summary["test_loss"],
+        summary["target_loss"],
+    )
+    assert after < target < before and (clone / summary["finetuned"]).is_dir(), summary
+    return f"held-out loss {before:.2f} -> {after:.2f} nats per token < {target}"
+
+
 def check_sharding_demo(_clone: Path, out: str) -> str:
     match = re.search(r"loss on 8 devices: ([\d.]+)\s+\(1 device: ([\d.]+)\)", out)
     assert match and match[1] == match[2], out[-2000:]
@@ -107,6 +118,7 @@ CHECKS: dict[str, Callable[[Path, str], str]] = {
     "python3 -m recipes.sharding_demo": check_sharding_demo,
     "python3 -m recipes.image_classification": check_image_classification,
     "python3 -m recipes.transformer_lm": check_transformer_lm,
+    "python3 -m recipes.finetune_lm": check_finetune_lm,
 }
 
 

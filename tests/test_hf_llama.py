@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit.models import llama_from_hf, load_hf_params, save_hf_params
+from meshkit.models import greedy_generate, llama_from_hf, load_hf_params, save_hf_params
 
 REFERENCE = "needs torch and transformers (nox -s tests installs them)"
 
@@ -91,6 +91,19 @@ def transformers_logits(model: Any) -> np.ndarray:
         return model.float()(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
 
 
+PEAKED = {"initializer_range": 0.2, "eos_token_id": None}
+"""Weights whose next-token choices are far from ties, and no token that ends generation."""
+
+
+def transformers_greedy(model: Any, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
+    torch, _ = reference()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor(prompt, dtype=torch.long), max_new_tokens=new_tokens, do_sample=False
+        )
+    return out.numpy()[:, prompt.shape[1] :]
+
+
 def meshkit_logits(model: nn.Module, params: Any) -> np.ndarray:
     return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS)), np.float32)
 
@@ -110,6 +123,18 @@ def test_a_checkpoint_saved_by_transformers_gives_its_logits(tmp_path: Path, var
     model = llama_from_hf(tmp_path)
     params = load_hf_params(tmp_path, initial_params(model))
     assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+
+
+@pytest.mark.once
+def test_greedy_generation_with_a_cache_is_transformers_greedy_generation(tmp_path: Path):
+    fields = {**VARIANTS["llama3 rope scaling (Llama 3.1)"], **PEAKED}
+    prompt = TOKENS[:, :5]
+    expected = transformers_greedy(saved_by_transformers(tmp_path, fields), prompt, 32)
+    scanned = llama_from_hf(tmp_path, scan_layers=True)
+    params = load_hf_params(tmp_path, initial_params(scanned))
+    got = np.asarray(greedy_generate(scanned, params, prompt, 32))
+    np.testing.assert_array_equal(got, expected)
+    assert len(set(got[0].tolist())) > 4  # not one token over and over
 
 
 @pytest.mark.once
@@ -187,13 +212,25 @@ NONE = dict.fromkeys(("vocab", "embed", "mlp", "heads", "kv_heads", "kv"))
     ids=["fsdp", "data x model"],
 )
 def test_any_layout_reads_its_own_slices_and_gives_the_logits(
-    tmp_path: Path, mesh_shape: str, table: dict[str, str | None]
+    tmp_path: Path, mesh_shape: str, table: dict[str, str | None], monkeypatch
 ):
     import optax
 
     from meshkit import train
+    from meshkit.models import _hf_llama
 
-    reference_model = saved_by_transformers(tmp_path, VARIANTS["grouped heads (Llama 3)"])
+    read_bytes = []
+    reader = _hf_llama._Checkpoint.read
+
+    def counted(self: Any, name: str, region: tuple[slice, ...]) -> np.ndarray:
+        value = reader(self, name, region)
+        read_bytes.append(value.nbytes)
+        return value
+
+    monkeypatch.setattr(_hf_llama._Checkpoint, "read", counted)
+
+    fields = {**VARIANTS["grouped heads (Llama 3)"], **PEAKED}
+    reference_model = saved_by_transformers(tmp_path, fields)
     expected = transformers_logits(reference_model)
     model = llama_from_hf(tmp_path)
     mesh = meshkit.make_mesh(mesh_shape)
@@ -207,7 +244,13 @@ def test_any_layout_reads_its_own_slices_and_gives_the_logits(
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
         assert got.sharding == want.sharding
     assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(params))
+    # Each element read once: the devices that hold the same slice share one read.
+    assert sum(read_bytes) == sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     assert relative_difference(meshkit_logits(model, params), expected) <= 1e-4
+    generated = greedy_generate(model, params, TOKENS[:, :5], 16, rules=rules)
+    np.testing.assert_array_equal(
+        generated, transformers_greedy(reference_model, TOKENS[:, :5], 16)
+    )
 
 
 BASE = {
@@ -257,6 +300,10 @@ def test_weights_that_do_not_fit_the_config_are_named(tmp_path: Path):
         load_hf_params(tmp_path, initial_params(deeper))
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read as safetensors"):
+        load_hf_params(tmp_path, params)
 
 
 def read_logits_and_write_back(folder: str, out: str) -> np.ndarray:
@@ -301,3 +348,77 @@ def test_two_processes_read_their_slices_and_write_the_same_checkpoint(tmp_path:
     assert sorted(written) == sorted(original)
     for name, value in original.items():
         np.testing.assert_array_equal(written[name], value)
+
+
+@pytest.mark.once  # the recipe picks its own 8 devices
+def test_the_recipe_fine_tunes_its_checkpoint_and_writes_one_transformers_reads(tmp_path: Path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "recipes.finetune_lm", "--no-progress", "--steps", "100"]
+    out = subprocess.run(
+        [*command, "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["test_loss"] < summary["test_loss_before"] - 0.75, summary
+    assert summary["mesh"] == {"data": 4, "model": 2} and summary["train_step_compiles"] == 1
+    finetuned = Path(summary["finetuned"])
+    assert sorted(p.name for p in finetuned.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert f"The fine-tuned model is in {finetuned}" in out.stdout
+    _, transformers = reference()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(finetuned)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(finetuned / "tokenizer.json")
+    )
+    ids = tokenizer("The with statement")["input_ids"]
+    assert loaded.config.vocab_size == 512 and len(ids) > 2
+    missing = subprocess.run(
+        [*command, "--workdir", str(tmp_path / "b"), "--hf-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines()[-1].endswith(
+        f"--hf-dir {tmp_path / 'none'}: no such file or folder"
+    )
+
+
+@pytest.mark.once
+def test_token_windows_pack_the_documents_exactly_and_alike_every_time(tmp_path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from meshkit import data
+
+    texts = [
+        f"Document {k}: " + "the with statement and the assert statement. " * k for k in range(1, 9)
+    ]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    eos = tokenizer.token_to_id("</s>")
+    stream = np.concatenate([[*tokenizer.encode(t).ids, eos] for t in texts]).astype(np.int32)
+    windows = data.token_windows(texts, tmp_path / "tokenizer.json", 16)
+    again = data.token_windows(texts, tokenizer, 16)
+    count = (len(stream) - 1) // 16
+    assert len(windows) == len(again) == count > 3
+    for k in range(count):
+        np.testing.assert_array_equal(windows[k]["tokens"], stream[16 * k : 16 * k + 17])
+        np.testing.assert_array_equal(again[k]["tokens"], windows[k]["tokens"])
+    plain = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    with pytest.raises(ValueError, match=r"pass eos_id=, the id to put after each document"):
+        data.token_windows(["a"], plain, 4)
+    with pytest.raises(ValueError, match=r"token_windows got 4 tokens, fewer than one window"):
+        data.token_windows(["a", "a"], plain, 4, eos_id=0)

@@ -124,7 +124,8 @@ def test_data_parallel_reads_real_file_formats(dataset, model, write, tmp_path):
 
 @pytest.mark.once
 @pytest.mark.parametrize(
-    "recipe", ["data_parallel", "ensemble", "image_classification", "sweep", "transformer_lm"]
+    "recipe",
+    ["data_parallel", "ensemble", "image_classification", "sweep", "transformer_lm", "finetune_lm"],
 )
 def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
     import importlib
@@ -140,7 +141,7 @@ def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
         with pytest.raises(SystemExit):
             parse_args(["--microbatches", "0"])
         assert "argument --microbatches: must be at least 1, got 0" in capsys.readouterr().err
-    if recipe != "transformer_lm":
+    if recipe not in ("transformer_lm", "finetune_lm"):
         for wrong in ("0", "eight"):
             with pytest.raises(SystemExit):
                 parse_args(["--steps-per-dispatch", wrong])

@@ -626,7 +626,8 @@ def test_a_member_whose_loss_never_fell_did_not_learn_and_is_never_best():
     ]
     assert [t.status for t in trials] == ["did not learn", "finished", "did not learn"]
     result = sweep.SweepResult(
-        trials=trials, slots=[0, 1, 2], state=None, metric="accuracy", mode="max", step=20,
+        trials=trials, slots=[0, 1, 2], state=None,  # pyright: ignore[reportArgumentType]
+        metric="accuracy", mode="max", step=20,
         workdir=".", train_step_compiles=1,
     )  # fmt: skip
     assert result.best.id == 1 and [t.id for t in result.ranked()] == [1, 2, 0]

@@ -35,6 +35,7 @@ from meshkit.data._formats import mnist as mnist
 from meshkit.data._formats import reference_text as reference_text
 from meshkit.data._formats import synthetic as synthetic
 from meshkit.data._formats import text_windows as text_windows
+from meshkit.data._formats import token_windows as token_windows
 from meshkit.data._formats import write_array_record as write_array_record
 from meshkit.data._formats import write_digits_images as write_digits_images
 from meshkit.data._formats import write_image_folder as write_image_folder

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 
 from meshkit.models._attention import dot_product_attention as dot_product_attention
+from meshkit.models._generate import greedy_generate as greedy_generate
 from meshkit.models._hf_llama import llama_from_hf as llama_from_hf
 from meshkit.models._hf_llama import load_hf_params as load_hf_params
 from meshkit.models._hf_llama import save_hf_params as save_hf_params

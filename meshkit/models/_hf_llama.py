@@ -227,7 +227,7 @@ class _Checkpoint:
         if (folder / INDEX).exists():
             self.files = dict(json.loads((folder / INDEX).read_text())["weight_map"])
         elif (folder / SINGLE).exists():
-            with safe_open(str(folder / SINGLE), framework="numpy") as f:
+            with self._opened(SINGLE) as f:
                 self.files = dict.fromkeys(f.keys(), SINGLE)
         else:
             raise FileNotFoundError(
@@ -245,9 +245,19 @@ class _Checkpoint:
     def _slice(self, name: str) -> Any:
         file = self.files[name]
         if file not in self._handles:
-            handle = self._open(str(self.folder / file), framework="numpy")
-            self._handles[file] = handle.__enter__()
+            self._handles[file] = self._opened(file).__enter__()
         return self._handles[file].get_slice(name)
+
+    def _opened(self, file: str) -> Any:
+        """``file`` opened by safetensors; a damaged or incomplete one is named."""
+        path = self.folder / file
+        try:
+            return self._open(str(path), framework="numpy")
+        except Exception as error:  # safetensors' own error type, or an OSError
+            raise ValueError(
+                f"{path} cannot be read as safetensors ({error}): the file is damaged or "
+                "incomplete; download it again."
+            ) from None
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -305,10 +315,11 @@ def load_hf_params(path: str | Path, params: Any) -> Any:
     one of the same shapes), as arrays or as ``jax.ShapeDtypeStruct`` with shardings:
     typically ``state.params`` of ``train.create_train_state``, under any layout. Each
     parameter is built with ``jax.make_array_from_callback`` in its sharding, each
-    process reading only the slices of its own devices (host memory: about one
-    process's share of the model plus one slice). Values are cast to ``params``'
-    dtypes. A tensor the model needs and the checkpoint lacks, a shape that differs,
-    or a tensor the model has no place for is an error naming it.
+    process reading only the slices of its own devices, each slice once however many
+    of them hold it: besides what the devices hold, host memory holds the slices of
+    one parameter at a time. Values are cast to ``params``' dtypes. A tensor the model
+    needs and the checkpoint lacks, a shape that differs, or a tensor the model has no
+    place for is an error naming it.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, tempfile
@@ -374,15 +385,23 @@ def _load_leaf(
                 "these weights were saved with?"
             )
     dtype = np.dtype(target.dtype)
+    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # devices holding the same slice
 
     def region(index: Any) -> np.ndarray:
-        if not scanned:
-            return _read_region(checkpoint, name, layout, shape, index).astype(dtype)
-        first, rest = index[0], index[1:]
-        picked = range(*first.indices(layers))
-        return np.stack(
-            [_read_region(checkpoint, name.format(layer=k), layout, shape, rest) for k in picked]
-        ).astype(dtype)
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True))
+        if key not in read:
+            if scanned:
+                picked = range(*index[0].indices(layers))
+                value = np.stack(
+                    [
+                        _read_region(checkpoint, name.format(layer=k), layout, shape, index[1:])
+                        for k in picked
+                    ]
+                )
+            else:
+                value = _read_region(checkpoint, name, layout, shape, index)
+            read[key] = value.astype(dtype)
+        return read[key]
 
     return jax.make_array_from_callback(tuple(target.shape), target.sharding, region)
 

@@ -152,7 +152,7 @@ def scan_blocks(block: nn.Module, x: jax.Array, train: bool, *, length: int) -> 
     """
     scan: Any = nn.scan(
         _step,
-        variable_axes={"params": 0, "intermediates": 0},
+        variable_axes={"params": 0, "intermediates": 0, "cache": 0},
         split_rngs={"params": True, "dropout": True},
         # `train`: the same Python bool in every iteration (flax annotates in_axes as int)
         in_axes=nn.broadcast,  # pyright: ignore[reportArgumentType]

@@ -135,14 +135,18 @@ def rope_frequencies(
 
 
 def rotary_embedding(
-    x_BxLxHxK: jax.Array, base: float = 10000.0, scaling: RopeScaling | None = None
+    x_BxLxHxK: jax.Array,
+    base: float = 10000.0,
+    scaling: RopeScaling | None = None,
+    offset: jax.Array | int = 0,
 ) -> jax.Array:
     """Rotary position embedding (RoFormer; as LLaMA applies it to queries and keys).
 
     Each head's width ``K`` is split in two halves ``(a, b)``; at position ``p`` the pair
     ``(a_i, b_i)`` is rotated by the angle ``p * base^(-2i / K)`` (``rope_frequencies``,
     stretched by ``scaling`` where given). The product of a query at position ``m`` and
-    a key at ``n`` then depends on ``m - n`` only.
+    a key at ``n`` then depends on ``m - n`` only. The first position is ``offset`` (a
+    decoding step's place in its sequence).
 
     Examples:
         >>> x = jnp.ones((1, 3, 2, 4))
@@ -154,7 +158,8 @@ def rotary_embedding(
     if width % 2:
         raise ValueError(f"Rotary embedding needs an even head width; got {width}.")
     frequency_W = rope_frequencies(width, base, scaling)
-    angle_LxW = jnp.arange(length, dtype=jnp.float32)[:, None] * frequency_W[None, :]
+    position_L = offset + jnp.arange(length, dtype=jnp.float32)
+    angle_LxW = position_L[:, None] * frequency_W[None, :]
     cos_Lx1xW = jnp.cos(angle_LxW)[:, None, :]
     sin_Lx1xW = jnp.sin(angle_LxW)[:, None, :]
     x = x_BxLxHxK.astype(jnp.float32)
@@ -225,6 +230,7 @@ class CausalSelfAttention(nn.Module):
     use_bias: bool = True
     param_dtype: Any = jnp.float32
     rope_scaling: RopeScaling | None = None
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
@@ -252,14 +258,26 @@ class CausalSelfAttention(nn.Module):
         q_BxLxHxK = project("query", self.num_heads, "heads")
         k_BxLxGxK = project("key", kv_heads, kv_name)
         v_BxLxGxK = project("value", kv_heads, kv_name)
+        cached = self.decode and self.has_variable("cache", "cached_key")
+        cache = self._cache(k_BxLxGxK, v_BxLxGxK) if self.decode else None
+        offset = cache[0].value if cached and cache is not None else 0
         if self.rope_base is not None:
-            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base, self.rope_scaling)
-            k_BxLxGxK = rotary_embedding(k_BxLxGxK, self.rope_base, self.rope_scaling)
+            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base, self.rope_scaling, offset)
+            k_BxLxGxK = rotary_embedding(k_BxLxGxK, self.rope_base, self.rope_scaling, offset)
+        if cached and cache is not None:  # this call's keys and values after the earlier ones
+            index, keys, values = cache
+            at = (0, offset, 0, 0)
+            keys.value = jax.lax.dynamic_update_slice(keys.value, k_BxLxGxK, at)
+            values.value = jax.lax.dynamic_update_slice(values.value, v_BxLxGxK, at)
+            index.value = jnp.asarray(offset + x_BxLxD.shape[1], jnp.int32)
+            k_BxLxGxK, v_BxLxGxK = keys.value, values.value
         if grouped:  # each key and value head, once per query head of its group
             group = self.num_heads // kv_heads
             k_BxLxGxK, v_BxLxGxK = (jnp.repeat(t, group, axis=2) for t in (k_BxLxGxK, v_BxLxGxK))
         k_BxLxHxK, v_BxLxHxK = k_BxLxGxK, v_BxLxGxK
-        if train and self.dropout_rate > 0:  # dropout on the weights: they must exist
+        if cached:
+            mixed_BxLxHxK = _attend_to_cache(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, offset)
+        elif train and self.dropout_rate > 0:  # dropout on the weights: they must exist
             check_weights_kept(self.implementation, where="Transformer")
             logits_BxHxLxL = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxLxHxK) / math.sqrt(
                 head_dim
@@ -283,6 +301,28 @@ class CausalSelfAttention(nn.Module):
             self.param_dtype,
             name="out",
         )(mixed_BxLxHxK)
+
+    def _cache(self, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> tuple[Any, Any, Any]:
+        """The next position, and every key and value so far (made at init as long as
+        its input: the longest sequence to decode)."""
+        return (
+            self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32)),
+            self.variable("cache", "cached_key", jnp.zeros, k_BxLxGxK.shape, k_BxLxGxK.dtype),
+            self.variable("cache", "cached_value", jnp.zeros, v_BxLxGxK.shape, v_BxLxGxK.dtype),
+        )
+
+
+def _attend_to_cache(
+    q_BxLxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, offset: Any
+) -> jax.Array:
+    """Queries at positions ``offset..offset + L - 1`` attending to the cached keys at
+    positions up to their own (later cache rows are not written yet)."""
+    length, total = q_BxLxHxK.shape[1], k_BxTxHxK.shape[1]
+    logits_BxHxLxT = jnp.einsum("bqhk,bthk->bhqt", q_BxLxHxK, k_BxTxHxK).astype(jnp.float32)
+    logits_BxHxLxT = logits_BxHxLxT / math.sqrt(q_BxLxHxK.shape[-1])
+    seen_LxT = jnp.arange(total)[None, :] <= offset + jnp.arange(length)[:, None]
+    weights_BxHxLxT = jax.nn.softmax(jnp.where(seen_LxT, logits_BxHxLxT, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqt,bthk->bqhk", weights_BxHxLxT.astype(v_BxTxHxK.dtype), v_BxTxHxK)
 
 
 class Mlp(nn.Module):
@@ -334,6 +374,7 @@ class Block(nn.Module):
     param_dtype: Any = jnp.float32
     rope_scaling: RopeScaling | None = None
     norm_epsilon: float | None = None
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
@@ -347,6 +388,7 @@ class Block(nn.Module):
             self.use_bias,
             self.param_dtype,
             self.rope_scaling,
+            self.decode,
             name="attention",
         )
         epsilon = self.norm_epsilon
@@ -409,6 +451,9 @@ class Transformer(nn.Module):
         ``None``: none.
       norm_epsilon: the epsilon of every norm; ``None``: 1e-5 for RMSNorm (LLaMA's),
         1e-6 for LayerNorm.
+      decode: keep every layer's keys and values in a ``"cache"`` collection and take
+        the tokens that follow the cached ones (``greedy_generate``); ``init`` with the
+        longest sequence to decode makes the cache. Needs ``positions="rope"``.
 
     ``llama(...)`` builds the LLaMA family's architecture (RoPE, RMSNorm, SwiGLU,
     grouped-query attention, no biases) at the published sizes.
@@ -453,6 +498,7 @@ class Transformer(nn.Module):
     param_dtype: Any = jnp.float32
     rope_scaling: RopeScaling | None = None
     norm_epsilon: float | None = None
+    decode: bool = False
 
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
@@ -461,6 +507,11 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"Transformer embed_dim={self.embed_dim} is not divisible by "
                 f"num_heads={self.num_heads}; pick num_heads among the divisors of embed_dim."
+            )
+        if self.decode and self.positions != "rope":
+            raise ValueError(
+                f"Transformer decode=True needs positions='rope' (each step rotates its keys "
+                f"by their place in the sequence); got positions={self.positions!r}."
             )
         if self.positions not in ("learned", "sinusoidal", "rope"):
             raise ValueError(
@@ -541,6 +592,7 @@ class Transformer(nn.Module):
             "param_dtype": self.param_dtype,
             "rope_scaling": self.rope_scaling if self.positions == "rope" else None,
             "norm_epsilon": self.norm_epsilon,
+            "decode": self.decode,
         }
         if self.scan_layers:
             layers = block(**shape, name="layers")

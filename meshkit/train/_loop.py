@@ -278,8 +278,9 @@ def _largest(setting: int | str, checkpoints: Checkpoints, evaluation: Evaluatio
 def _calibrate(loop: _Loop) -> Calibration | None:
     """``'auto'``'s measurement, on the run's first steps: one-step dispatches (the
     first compiles; the next few each start on idle devices, and the least host time
-    one took is the dispatch's cost; then a group is timed), then two timed chunks of
-    ``probe_steps`` after one that warms up. The chunk is timed where the loop is
+    one took is the dispatch's cost; then a group is timed), then, after a chunk of
+    ``probe_steps`` that warms up, a timed chunk, a second one-step group and a second
+    chunk; the least of each two is what counts. The chunk is timed where the loop is
     counted (it runs the program already compiled); on a fixed loop (GPUs), whose
     chunk is a program of its own, only if a dispatch's host time is more than a
     sliver of a step; an unrolled chunk (convolutions on CPUs), whose compile grows
@@ -303,10 +304,15 @@ def _calibrate(loop: _Loop) -> Calibration | None:
         return measured
     if loop.timed(measured.probe_steps, 1) is None:  # the probe's first chunk compiles
         return measured
-    chunk = loop.timed(measured.probe_steps, 2)
-    if chunk is None:
+    # Then chunk, one-step group, chunk: each the least of two turns, so a pause of the
+    # host during one turn (a busy core) does not decide.
+    chunks = [loop.timed(measured.probe_steps, 1)]
+    again = loop.timed(1, min(TIMED_STEPS, loop.segment.period))
+    chunks.append(loop.timed(measured.probe_steps, 1))
+    if again is None or None in chunks:
         return measured
-    return _agreed(dataclasses.replace(measured, chunk=chunk))
+    chunk = min(c for c in chunks if c is not None)
+    return _agreed(dataclasses.replace(measured, one=min(timed, again), chunk=chunk))
 
 
 def _agreed(measured: Calibration) -> Calibration:

@@ -34,4 +34,5 @@ from meshkit.data._formats._image_sets import write_image_folder as write_image_
 from meshkit.data._formats._text import decode_bytes as decode_bytes
 from meshkit.data._formats._text import reference_text as reference_text
 from meshkit.data._formats._text import text_windows as text_windows
+from meshkit.data._formats._text import token_windows as token_windows
 from meshkit.data._formats._tfds import TfdsSource as TfdsSource

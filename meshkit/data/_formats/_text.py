@@ -12,7 +12,9 @@ offline, on any machine. Its exact content differs a little between Python versi
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -115,3 +117,80 @@ def decode_bytes(tokens: np.ndarray) -> str:
         'hi'
     """
     return np.asarray(tokens, np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+EOS_TOKENS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+"""End-of-sequence tokens of the Llama 3, Llama 2 / Mistral, GPT-2 and Gemma vocabularies."""
+
+
+def token_windows(
+    texts: Sequence[str],
+    tokenizer: str | os.PathLike[str] | Any,
+    length: int,
+    *,
+    eos_id: int | None = None,
+    name: str = "tokens",
+) -> ArraySource:
+    """Texts tokenized and packed into windows of ``length + 1`` token ids:
+    ``{"tokens": int32[length + 1]}``, as ``text_windows`` cuts bytes.
+
+    Each text is a document: they are tokenized in a Grain map (on threads) with
+    ``tokenizer`` (a ``tokenizer.json`` of the tokenizers package, or a loaded
+    ``tokenizers.Tokenizer``), without the tokenizer's own start tokens, and joined into
+    one stream with ``eos_id`` after each. Window ``i`` starts at token ``i * length``, so
+    every token after the first is a target exactly once; a window may hold the end of
+    one document and the start of the next, the end-of-sequence id between them, and
+    positions run on across it (attention is not cut at document ends, as in GPT-style
+    packing). The tokens after the last whole window are left out. The windows are an
+    ``ArraySource``: a pipeline over them is exact and resumable like any other.
+
+    Args:
+        texts: the documents.
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``.
+        length: the context length a model sees.
+        eos_id: the id after each document; by default the tokenizer's own
+            end-of-sequence token (one of ``EOS_TOKENS``).
+        name: names the data in the source's fingerprint and ``repr``.
+
+    Raises:
+        ValueError: no end-of-sequence id known, or fewer tokens than one window.
+
+    Examples:
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="a"))
+        >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> source = token_windows(["a b", "b b a"], tokenizer, 3)  # 0 1 2 | 1 1 0 2
+        >>> len(source), source[0]["tokens"].tolist(), source[1]["tokens"].tolist()
+        (2, [0, 1, 2, 1], [1, 1, 0, 2])
+    """
+    import grain
+    from tokenizers import Tokenizer
+
+    check_int(length, name="length", minimum=1)
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_file(os.fspath(tokenizer))
+    if eos_id is None:
+        found = [tokenizer.token_to_id(token) for token in EOS_TOKENS]
+        eos_id = next((i for i in found if i is not None), None)
+        if eos_id is None:
+            raise ValueError(
+                f"The tokenizer has none of the end-of-sequence tokens {list(EOS_TOKENS)}: "
+                "pass eos_id=, the id to put after each document."
+            )
+
+    def encode(text: str) -> np.ndarray:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray([*ids, eos_id], np.int32)
+
+    documents = grain.MapDataset.source(list(texts)).map(encode)
+    options = grain.ReadOptions(num_threads=min(16, os.cpu_count() or 1), prefetch_buffer_size=64)
+    stream_N = np.concatenate([np.zeros(0, np.int32), *documents.to_iter_dataset(options)])
+    count = (len(stream_N) - 1) // length
+    if count < 1:
+        raise ValueError(
+            f"token_windows got {len(stream_N)} tokens, fewer than one window of length + 1 "
+            f"= {length + 1}. Pass more text or a smaller length."
+        )
+    starts_W = np.arange(count) * length
+    tokens_WxL = stream_N[starts_W[:, None] + np.arange(length + 1)]
+    return ArraySource({TOKENS_FIELD: tokens_WxL}, name=name)

@@ -1,0 +1,163 @@
+"""Reading a LLaMA checkpoint of the transformers layout into its shardings: memory and time.
+
+    python -m benchmarks hf_import            # or: python -m benchmarks.hf_import
+
+A random Llama-shaped checkpoint of about 1 GB (float32: 16 layers of width 1024, 16
+query and 8 key and value heads, 32,000 tokens, untied), written in shards of 200 MB by
+``save_hf_params``, is read by ``load_hf_params`` in 8 processes of one fake CPU device
+each, FSDP over all 8 (every weight's model width split 8 ways), as 8 hosts would read
+it. Each process reports the growth of its peak resident memory over the read (VmHWM,
+reset just before; on CPU devices the placed shards are resident memory too) against
+its share of the checkpoint plus the largest tensor, and the read's wall time; beside
+them, the time to read the files once (``cat > /dev/null``, after a first read warmed
+the page cache, as the processes' reads find it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quoted import markdown_table
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+PROCESSES = 8
+TABLE = {"vocab": None, "mlp": None, "heads": None, "kv_heads": None, "kv": None, "embed": "data"}
+
+
+def abstract_params(model: Any, mesh: Any) -> Any:
+    """The model's parameters as ``jax.ShapeDtypeStruct``s in their FSDP shardings."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import meshkit
+
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    rules = meshkit.PartitionRules(logical=TABLE)
+    shardings = meshkit.infer_shardings(boxed, mesh, rules)["params"]
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.unbox(boxed)["params"],
+        shardings,
+    )
+
+
+def read_here(folder: str) -> dict[str, float]:
+    """In one of the processes: the read's seconds, and the growth of peak memory over it."""
+    import jax
+
+    import meshkit
+    from benchmarks._harness import peak_rss_mib, reset_peak_rss
+    from meshkit.models import llama_from_hf, load_hf_params
+
+    model = llama_from_hf(folder, max_length=8)
+    target = abstract_params(model, meshkit.make_mesh("data=-1"))
+    jax.block_until_ready(jax.numpy.zeros(1))  # the backend started before the timer
+    reset_peak_rss()
+    before = peak_rss_mib()
+    began = time.perf_counter()
+    params = jax.block_until_ready(load_hf_params(folder, target))
+    seconds = time.perf_counter() - began
+    share = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
+    return {"seconds": seconds, "growth_mib": peak_rss_mib() - before, "share_mib": share / 2**20}
+
+
+def write_checkpoint(folder: Path) -> dict[str, float]:
+    """A random checkpoint of ``CONFIG`` in ``folder``: its bytes and largest tensor."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from meshkit.models import llama_from_hf, save_hf_params
+
+    model = llama_from_hf(CONFIG, max_length=8)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: rng.standard_normal(x.shape, np.float32) * 0.02, nn.unbox(boxed)["params"]
+    )
+    save_hf_params(params, model, folder, max_shard_bytes=200 * 2**20)
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(params)]
+    return {"checkpoint_mib": sum(sizes) / 2**20, "largest_tensor_mib": max(sizes) / 2**20}
+
+
+def cat_seconds(folder: Path) -> float:
+    """Seconds to read the weight files once, the second of two reads."""
+    files = sorted(str(p) for p in folder.glob("*.safetensors"))
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    began = time.perf_counter()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - began
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0]).parse_args(argv)
+    from benchmarks._harness import save
+    from meshkit.testing import run_processes
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "checkpoint"
+        result: dict[str, Any] = write_checkpoint(folder)
+        result["files"] = len(list(folder.glob("*.safetensors")))
+        result["cat_seconds"] = cat_seconds(folder)
+        from benchmarks.hf_import import read_here as in_each  # by module name, not __main__
+
+        runs = run_processes(
+            in_each,
+            str(folder),
+            num_processes=PROCESSES,
+            devices_per_process=1,
+            timeout=600,
+            log_dir=Path(scratch) / "logs",
+        )
+    result["processes"] = runs
+    result["bound_mib"] = result["checkpoint_mib"] / PROCESSES + result["largest_tensor_mib"]
+    slowest = max(run["seconds"] for run in runs)
+    print(
+        f"checkpoint {result['checkpoint_mib']:.0f} MiB in {result['files']} files; per process "
+        f"peak growth {max(r['growth_mib'] for r in runs):.0f} MiB (share "
+        f"{runs[0]['share_mib']:.0f} MiB, bound M/8 + largest tensor "
+        f"{result['bound_mib']:.0f} MiB); read {slowest:.2f} s, cat {result['cat_seconds']:.2f} s"
+    )
+    save("hf_import", result, tables)
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``table``: the checkpoint, each process's share and peak memory growth against the
+    bound, and the slowest read against reading the files once."""
+    runs = run["processes"]
+    slowest = max(r["seconds"] for r in runs)
+    row = [
+        f"{len(runs)} × 1 device, FSDP over {len(runs)}",
+        f"{run['checkpoint_mib']:,.0f} MiB ({run['files']} files)",
+        f"{runs[0]['share_mib']:,.0f}",
+        f"{run['bound_mib']:,.0f}",
+        f"{max(r['growth_mib'] for r in runs):,.0f}",
+        f"{slowest:.2f} s",
+        f"{run['cat_seconds']:.2f} s",
+        f"**{slowest / run['cat_seconds']:.2f}×**",
+    ]
+    header = ["processes", "checkpoint", "share MiB", "share + largest tensor MiB"]
+    header += ["peak growth MiB (most)", "read (slowest)", "`cat` once", "read / `cat`"]
+    return {"table": markdown_table(header, [row], "ll" + "r" * 6)}
+
+
+if __name__ == "__main__":
+    main()
