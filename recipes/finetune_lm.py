@@ -158,6 +158,23 @@ def reference_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+def read_model(folder: Path, length: int) -> tuple[Any, Any]:
+    """The checkpoint's model as its config describes it (what the export writes back),
+    and the same in float32 with the run's context length (what is trained)."""
+    import jax.numpy as jnp
+
+    from meshkit.models import llama_from_hf
+
+    with setup_errors_in_one_line():
+        checkpoint = llama_from_hf(folder)
+    if length > checkpoint.max_length:
+        raise SystemExit(
+            f"--length {length} is longer than the checkpoint's context "
+            f"(max_position_embeddings {checkpoint.max_length}): pass a shorter --length."
+        )
+    return checkpoint, checkpoint.clone(max_length=length, param_dtype=jnp.float32)
+
+
 def next_token_loss(params: Any, state: Any, batch: Any, rng: Any) -> tuple[Any, Any]:
     """Mean cross-entropy of each next token, in nats."""
     import optax
@@ -190,11 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         meshkit.distributed.initialize(cpu_devices=args.cpu_devices)
 
     import jax
-    import jax.numpy as jnp
     import optax
 
     from meshkit import data, evaluate, train
-    from meshkit.models import llama_from_hf, load_hf_params, save_hf_params
+    from meshkit.models import load_hf_params, save_hf_params
 
     text = args.text.read_text("utf-8") if args.text else reference_text()
     cut = len(text) * 9 // 10  # the last tenth held out, tokenized on its own
@@ -203,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.hf_dir or args.workdir / "base"
     if args.hf_dir is None and not (base / "tokenizer.json").exists():
         make_base(Path(base), text[:cut], args.length)
-    with setup_errors_in_one_line():
-        module = llama_from_hf(base, max_length=args.length, param_dtype=jnp.float32)
+    checkpoint, module = read_model(Path(base), args.length)
     tokenizer = Path(base) / "tokenizer.json"
     train_source = data.token_windows([text[:cut]], tokenizer, args.length, name="train")
     test_source = data.token_windows([text[cut:]], tokenizer, args.length, name="test")
@@ -250,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     after = result.eval_metrics.get("loss")
     finetuned = args.workdir / "finetuned"
-    save_hf_params(result.state.params, module, finetuned)
+    save_hf_params(result.state.params, checkpoint, finetuned, dtype=checkpoint.param_dtype)
     if jax.process_index() == 0:
         shutil.copyfile(tokenizer, finetuned / "tokenizer.json")
         print(

@@ -381,6 +381,19 @@ def test_the_recipe_fine_tunes_its_checkpoint_and_writes_one_transformers_reads(
     )
     ids = tokenizer("The with statement")["input_ids"]
     assert loaded.config.vocab_size == 512 and len(ids) > 2
+    # The base, fine-tuned again at a shorter context: the export keeps the base's config.
+    again_dir = str(tmp_path / "again")
+    again = subprocess.run(
+        [*command[:-1], "2", "--length", "64", "--hf-dir", summary["base"], "--workdir", again_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    base_config = json.loads((Path(summary["base"]) / "config.json").read_text())
+    config = json.loads((tmp_path / "again" / "finetuned" / "config.json").read_text())
+    assert config == base_config and config["max_position_embeddings"] == 128
     missing = subprocess.run(
         [*command, "--workdir", str(tmp_path / "b"), "--hf-dir", str(tmp_path / "none")],
         capture_output=True,
