@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     base = args.hf_dir or args.workdir / "base"
     if args.hf_dir is None and not (base / "tokenizer.json").exists():
         make_base(Path(base), text[:cut], args.length)
+    if jax.process_count() > 1:  # process 0 wrote the base: every process reads it after
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("finetune_lm: the base is written")
     checkpoint, module = read_model(Path(base), args.length)
     tokenizer = Path(base) / "tokenizer.json"
     train_source = data.token_windows([text[:cut]], tokenizer, args.length, name="train")
