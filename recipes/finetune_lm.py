@@ -55,19 +55,12 @@ from recipes._args import (
     start_run,
     write_summary,
 )
+from recipes.transformer_lm import LOGICAL_RULES as TRANSFORMER_RULES
 from recipes.transformer_lm import choose_layout, create_state
 
-LOGICAL_RULES: dict[str, str | None] = {
-    "batch": "data",  # examples: data parallel
-    "embed": "data",  # the model width of every weight: FSDP over data
-    "mlp": "model",  # the MLP's hidden units: tensor parallel
-    "heads": "model",  # query heads: tensor parallel
-    "kv_heads": "model",  # key and value heads: tensor parallel as well
-    "kv": None,  # the width of one head: whole on every device
-    "vocab": "model",  # embedding rows and logits: tensor parallel
-    "length": None,  # positions of a sequence: whole on every device
-}
-"""Logical axis name -> mesh axis, for the parameters, optimizer state and activations."""
+LOGICAL_RULES: dict[str, str | None] = {**TRANSFORMER_RULES, "kv_heads": "model"}
+"""The byte-level Transformer recipe's table (FSDP over ``data``; heads, MLP and
+vocabulary over ``model``), with the grouped key and value heads over ``model`` too."""
 
 TARGET_LOSS = 4.0
 """Held-out nats per token the default run ends below (a test checks it)."""
