@@ -4,19 +4,25 @@
 
 A random Llama-shaped checkpoint of about 1 GB (float32: 16 layers of width 1024, 16
 query and 8 key and value heads, 32,000 tokens, untied), written in shards of 200 MB by
-``save_hf_params``, is read by ``load_hf_params`` in 8 processes of one fake CPU device
-each, FSDP over all 8 (every weight's model width split 8 ways), as 8 hosts would read
-it. Each process reports the growth of its peak resident memory over the read (VmHWM,
-reset just before; on CPU devices the placed shards are resident memory too) against
-its share of the checkpoint plus the largest tensor, and the read's wall time; beside
-them, the time to read the files once (``cat > /dev/null``, after a first read warmed
-the page cache, as the processes' reads find it).
+``save_hf_params``, is read by ``load_hf_params`` with FSDP over 8 devices (every
+weight's model width split 8 ways): in 8 processes of one fake CPU device each, as 8
+hosts would read it, and in one process of 8. Each process reports the growth of its
+peak resident memory over the read (VmHWM, reset just before; on CPU devices the
+placed shards are resident memory too) against its share of the checkpoint plus the
+largest tensor, plus 25%, and the read's wall time. Beside them, the time to read the
+files once (``cat > /dev/null``, after a first read warmed the page cache, as the
+processes' reads find it), and with 8 ``cat`` at once: the width splits the columns of
+most weights, so each of 8 hosts reads every byte, and on this machine the 8 share its
+cores. ``cat`` fills no memory; a fresh process that reads the files into numpy arrays
+(the least an import onto one host's devices does: every byte lands in new memory)
+is the third figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,13 +104,28 @@ def write_checkpoint(folder: Path) -> dict[str, float]:
     return {"checkpoint_mib": sum(sizes) / 2**20, "largest_tensor_mib": max(sizes) / 2**20}
 
 
-def cat_seconds(folder: Path) -> float:
-    """Seconds to read the weight files once, the second of two reads."""
+def cat_seconds(folder: Path, readers: int = 1) -> float:
+    """Seconds for ``readers`` processes at once to read the weight files, each once
+    (after a first read warmed the page cache)."""
     files = sorted(str(p) for p in folder.glob("*.safetensors"))
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
     began = time.perf_counter()
-    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    cats = [subprocess.Popen(["cat", *files], stdout=subprocess.DEVNULL) for _ in range(readers)]
+    if any(cat.wait() for cat in cats):
+        raise RuntimeError("cat failed")
     return time.perf_counter() - began
+
+
+def into_memory_seconds(folder: Path) -> float:
+    """Seconds for a fresh process to read the weight files into its memory (numpy
+    arrays), the least an import that places every byte on one host's devices does."""
+    files = sorted(str(p) for p in folder.glob("*.safetensors"))
+    code = (
+        "import time, numpy as np; t = time.perf_counter(); "
+        f"a = [np.fromfile(f, np.uint8) for f in {files!r}]; print(time.perf_counter() - t)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,46 +138,57 @@ def main(argv: list[str] | None = None) -> None:
         result: dict[str, Any] = write_checkpoint(folder)
         result["files"] = len(list(folder.glob("*.safetensors")))
         result["cat_seconds"] = cat_seconds(folder)
+        result["cats_seconds"] = cat_seconds(folder, PROCESSES)
+        result["into_memory_seconds"] = into_memory_seconds(folder)
         from benchmarks.hf_import import read_here as in_each  # by module name, not __main__
 
-        runs = run_processes(
-            in_each,
-            str(folder),
-            num_processes=PROCESSES,
-            devices_per_process=1,
-            timeout=600,
-            log_dir=Path(scratch) / "logs",
-        )
-    result["processes"] = runs
-    result["bound_mib"] = result["checkpoint_mib"] / PROCESSES + result["largest_tensor_mib"]
-    slowest = max(run["seconds"] for run in runs)
-    print(
-        f"checkpoint {result['checkpoint_mib']:.0f} MiB in {result['files']} files; per process "
-        f"peak growth {max(r['growth_mib'] for r in runs):.0f} MiB (share "
-        f"{runs[0]['share_mib']:.0f} MiB, bound M/8 + largest tensor "
-        f"{result['bound_mib']:.0f} MiB); read {slowest:.2f} s, cat {result['cat_seconds']:.2f} s"
-    )
+        for processes, devices in ((PROCESSES, 1), (1, PROCESSES)):
+            result[f"{processes}x{devices}"] = run_processes(
+                in_each,
+                str(folder),
+                num_processes=processes,
+                devices_per_process=devices,
+                timeout=600,
+                log_dir=Path(scratch) / f"logs-{processes}x{devices}",
+            )
+    print(tables(result)["table"])
     save("hf_import", result, tables)
 
 
 def tables(run: dict[str, Any]) -> dict[str, str]:
-    """``table``: the checkpoint, each process's share and peak memory growth against the
-    bound, and the slowest read against reading the files once."""
-    runs = run["processes"]
-    slowest = max(r["seconds"] for r in runs)
-    row = [
-        f"{len(runs)} × 1 device, FSDP over {len(runs)}",
-        f"{run['checkpoint_mib']:,.0f} MiB ({run['files']} files)",
-        f"{runs[0]['share_mib']:,.0f}",
-        f"{run['bound_mib']:,.0f}",
-        f"{max(r['growth_mib'] for r in runs):,.0f}",
-        f"{slowest:.2f} s",
-        f"{run['cat_seconds']:.2f} s",
-        f"**{slowest / run['cat_seconds']:.2f}×**",
-    ]
-    header = ["processes", "checkpoint", "share MiB", "share + largest tensor MiB"]
-    header += ["peak growth MiB (most)", "read (slowest)", "`cat` once", "read / `cat`"]
-    return {"table": markdown_table(header, [row], "ll" + "r" * 6)}
+    """``table``: each layout's share of the checkpoint and peak memory growth per
+    process against the bound, and the slowest read against reading the files."""
+    rows = []
+    for processes, devices in ((PROCESSES, 1), (1, PROCESSES)):
+        runs = run[f"{processes}x{devices}"]
+        share = runs[0]["share_mib"]
+        slowest = max(r["seconds"] for r in runs)
+        cat = run["cats_seconds"] if processes > 1 else run["cat_seconds"]
+        fresh = (
+            f"{run['into_memory_seconds']:.2f} s ({slowest / run['into_memory_seconds']:.2f}×)"
+            if processes == 1
+            else ""
+        )
+        rows.append(
+            [
+                f"{processes} × {devices} device{'s' * (devices > 1)}",
+                f"{share:,.0f}",
+                f"{(share + run['largest_tensor_mib']) * 1.25:,.0f}",
+                f"**{max(r['growth_mib'] for r in runs):,.0f}**",
+                f"{slowest:.2f} s",
+                f"{cat:.2f} s ({processes} at once)" if processes > 1 else f"{cat:.2f} s",
+                f"**{slowest / cat:.2f}×**",
+                fresh,
+            ]
+        )
+    header = ["processes × devices", "share MiB", "bound: (share + largest) × 1.25"]
+    header += ["peak growth MiB (most)", "read (slowest)", "`cat` of the files", "read / `cat`"]
+    header += ["files into a fresh process's memory (read / it)"]
+    title = (
+        f"{run['checkpoint_mib']:,.0f} MiB in {run['files']} files, largest tensor "
+        f"{run['largest_tensor_mib']:,.0f} MiB, FSDP over {PROCESSES} devices\n\n"
+    )
+    return {"table": title + markdown_table(header, rows, "l" + "r" * 7)}
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         module = module.clone(remat=layout.remat)
         args.microbatches = layout.microbatches
     state = create_state(module, tx, mesh, seed=args.seed, precision=args.precision, rules=rules)
-    state = state.replace(params=load_hf_params(base, state.params))
+    state = state.replace(params=load_hf_params(base, state.params, cast=True))  # to float32
     batch_sharding = meshkit.batch_sharding(mesh, data_axes)
     pipeline = data.TrainPipeline(
         train_source, global_batch_size=args.batch_size, sharding=batch_sharding, seed=args.seed

@@ -157,7 +157,13 @@ def test_a_bfloat16_checkpoint_is_read_as_it_is_or_cast(tmp_path: Path):
     read = np.asarray(kept_params["block_1"]["mlp"]["up"]["kernel"]).astype(np.float32)
     np.testing.assert_array_equal(read, up.T)  # bfloat16 both sides: the same bits
     cast = llama_from_hf(tmp_path, param_dtype=jnp.float32)
-    cast_params = load_hf_params(tmp_path, initial_params(cast))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight' is bfloat16, the "
+        r"model's parameter float32; pass cast=True",
+    ):
+        load_hf_params(tmp_path, initial_params(cast))
+    cast_params = load_hf_params(tmp_path, initial_params(cast), cast=True)
     expected = transformers_logits(reference_model)  # the bfloat16 weights, in float32
     assert relative_difference(meshkit_logits(cast, cast_params), expected) <= 1e-4
 
@@ -405,6 +411,42 @@ def test_the_recipe_fine_tunes_its_checkpoint_and_writes_one_transformers_reads(
     assert missing.stderr.splitlines()[-1].endswith(
         f"--hf-dir {tmp_path / 'none'}: no such file or folder"
     )
+
+
+@pytest.mark.once
+def test_regions_read_in_small_blocks_are_the_slices_of_what_safetensors_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from meshkit.models import _safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "f32": rng.standard_normal((37, 5, 3)).astype(np.float32),
+        "bf16": rng.standard_normal((64, 24)).astype(ml_dtypes.bfloat16),
+        "i64": rng.integers(-9, 9, (11,)),
+    }
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    monkeypatch.setattr(_safetensors, "BLOCK_BYTES", 100)  # blocks of a few rows
+    weights = _safetensors.SafetensorsFile(tmp_path / "w.safetensors")
+    regions = {
+        "f32": [np.s_[:, :, :], np.s_[3:30, 1:4, :], np.s_[36:37, :, 2:3]],
+        "bf16": [np.s_[:, 6:12], np.s_[10:50, :], np.s_[0:64, 23:24]],
+        "i64": [(np.s_[2:9],)],
+    }
+    for name, cuts in regions.items():
+        assert weights.tensors[name].dtype == tensors[name].dtype
+        for cut in cuts:
+            np.testing.assert_array_equal(weights.read(name, cut), tensors[name][cut])
+    weights.close()
+    whole = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[:-100])
+    with pytest.raises(
+        ValueError, match=r"cut\.safetensors cannot be read as safetensors \(tensor"
+    ):
+        _safetensors.SafetensorsFile(tmp_path / "cut.safetensors")
 
 
 @pytest.mark.once

@@ -3,8 +3,8 @@
 A checkpoint folder of that layout holds ``config.json`` and the weights in
 ``model.safetensors``, or in shards ``model-0000X-of-0000N.safetensors`` named by
 ``model.safetensors.index.json``. Reading places every tensor straight into the
-sharding of the parameter it becomes: each process reads, lazily through safetensors,
-only the slices its own devices hold, so no process ever holds the whole model.
+sharding of the parameter it becomes: each process reads only the slices its own
+devices hold (``_safetensors``), so no process ever holds the whole model.
 Writing gathers one tensor at a time and writes the shards from process 0.
 
 A parameter of meshkit's ``Transformer`` is its tensor in the checkpoint, reshaped
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from meshkit.models._safetensors import SafetensorsFile, Tensor
 from meshkit.models._transformer import RopeScaling, Transformer
 
 CONFIG = "config.json"
@@ -217,51 +218,35 @@ def _set(tree: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
 
 
 class _Checkpoint:
-    """The safetensors files of a checkpoint folder, opened lazily, by tensor name."""
+    """The safetensors files of a checkpoint folder, opened as needed, by tensor name."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self._open = safe_open
         self.folder = folder
+        self._handles: dict[str, SafetensorsFile] = {}
         if (folder / INDEX).exists():
             self.files = dict(json.loads((folder / INDEX).read_text())["weight_map"])
         elif (folder / SINGLE).exists():
-            with self._opened(SINGLE) as f:
-                self.files = dict.fromkeys(f.keys(), SINGLE)
+            self.files = dict.fromkeys(self._opened(SINGLE).tensors, SINGLE)
         else:
             raise FileNotFoundError(
                 f"{folder} holds neither {SINGLE} nor {INDEX}: not a checkpoint in the "
                 "transformers layout (safetensors weights)."
             )
-        self._handles: dict[str, Any] = {}
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+    def tensor(self, name: str) -> Tensor:
+        return self._opened(self.files[name]).tensors[name]
 
     def read(self, name: str, region: tuple[slice, ...]) -> np.ndarray:
-        return self._slice(name)[region]
+        return self._opened(self.files[name]).read(name, region)
 
-    def _slice(self, name: str) -> Any:
-        file = self.files[name]
+    def _opened(self, file: str) -> SafetensorsFile:
         if file not in self._handles:
-            self._handles[file] = self._opened(file).__enter__()
-        return self._handles[file].get_slice(name)
-
-    def _opened(self, file: str) -> Any:
-        """``file`` opened by safetensors; a damaged or incomplete one is named."""
-        path = self.folder / file
-        try:
-            return self._open(str(path), framework="numpy")
-        except Exception as error:  # safetensors' own error type, or an OSError
-            raise ValueError(
-                f"{path} cannot be read as safetensors ({error}): the file is damaged or "
-                "incomplete; download it again."
-            ) from None
+            self._handles[file] = SafetensorsFile(self.folder / file)
+        return self._handles[file]
 
     def close(self) -> None:
         for handle in self._handles.values():
-            handle.__exit__(None, None, None)
+            handle.close()
         self._handles.clear()
 
 
@@ -307,7 +292,7 @@ def _read_region(
     return np.transpose(block[tuple(cut)], layout.order)
 
 
-def load_hf_params(path: str | Path, params: Any) -> Any:
+def load_hf_params(path: str | Path, params: Any, *, cast: bool = False) -> Any:
     """The parameters of a Llama-family checkpoint (transformers layout), placed like
     ``params``.
 
@@ -315,9 +300,12 @@ def load_hf_params(path: str | Path, params: Any) -> Any:
     one of the same shapes), as arrays or as ``jax.ShapeDtypeStruct`` with shardings:
     typically ``state.params`` of ``train.create_train_state``, under any layout. Each
     parameter is built with ``jax.make_array_from_callback`` in its sharding, each
-    process reading only the slices of its own devices, each slice once however many
-    of them hold it: besides what the devices hold, host memory holds the slices of
-    one parameter at a time. Values are cast to ``params``' dtypes. A tensor the model
+    process reading once the part of each tensor that holds its own devices' slices
+    (its share, where they are adjacent), with positioned reads in bounded blocks:
+    besides what the devices hold, host memory holds that part of one parameter at a
+    time. A tensor whose dtype differs from its parameter's is an
+    error unless ``cast`` asks to convert it (a float32 model from a bfloat16
+    checkpoint: ``llama_from_hf(folder, param_dtype=jnp.float32)``). A tensor the model
     needs and the checkpoint lacks, a shape that differs, or a tensor the model has no
     place for is an error naming it.
 
@@ -341,7 +329,9 @@ def load_hf_params(path: str | Path, params: Any) -> Any:
         used = set()
         for key, name, layout in _tensor_names(params):
             target = _get(params, key)
-            loaded_leaf = _load_leaf(checkpoint, name, layout, target, scanned=key[0] == "layers")
+            loaded_leaf = _load_leaf(
+                checkpoint, name, layout, target, scanned=key[0] == "layers", cast=cast
+            )
             used |= {name.format(layer=layer) for layer in range(_layers(target, key))}
             _set(loaded, key, loaded_leaf)
         unused = sorted(n for n in checkpoint.files if n not in used and not n.endswith(_IGNORED))
@@ -364,7 +354,7 @@ def _layers(target: Any, key: tuple[Any, ...]) -> int:
 
 
 def _load_leaf(
-    checkpoint: _Checkpoint, name: str, layout: _Layout, target: Any, *, scanned: bool
+    checkpoint: _Checkpoint, name: str, layout: _Layout, target: Any, *, scanned: bool, cast: bool
 ) -> jax.Array:
     """One parameter, built in ``target``'s sharding from its tensor (one per layer when
     ``scanned``: the parameter's first axis)."""
@@ -378,30 +368,46 @@ def _load_leaf(
                 f"{checkpoint.folder}: the checkpoint has no tensor {tensor!r}, which the "
                 "model needs; is its config.json the one these weights were saved with?"
             )
-        if checkpoint.shape(tensor) != expected:
+        found = checkpoint.tensor(tensor)
+        if found.shape != expected:
             raise ValueError(
-                f"{checkpoint.folder}: tensor {tensor!r} has shape {checkpoint.shape(tensor)}, "
+                f"{checkpoint.folder}: tensor {tensor!r} has shape {found.shape}, "
                 f"but the model's parameter needs {expected}; is its config.json the one "
                 "these weights were saved with?"
             )
-    dtype = np.dtype(target.dtype)
-    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # devices holding the same slice
+        if found.dtype != target.dtype and not cast:
+            raise ValueError(
+                f"{checkpoint.folder / checkpoint.files[tensor]}: tensor {tensor!r} is "
+                f"{found.dtype}, the model's parameter {np.dtype(target.dtype)}; pass "
+                "cast=True to convert it, or build the model in the checkpoint's dtype "
+                "(llama_from_hf's default)."
+            )
+    # This process's devices' slices lie in one box (most often its share), read once
+    # when the first device asks for it: each byte read once however many devices hold it.
+    spans = np.asarray(
+        [
+            [s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True)]
+            for index in target.sharding.addressable_devices_indices_map(target.shape).values()
+        ]
+    )
+    low, high = spans[:, :, 0].min(axis=0), spans[:, :, 1].max(axis=0)
+    box: list[np.ndarray] = []
 
     def region(index: Any) -> np.ndarray:
-        key = tuple(s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True))
-        if key not in read:
+        if not box:
+            whole = tuple(slice(int(a), int(b)) for a, b in zip(low, high, strict=True))
             if scanned:
-                picked = range(*index[0].indices(layers))
                 value = np.stack(
                     [
-                        _read_region(checkpoint, name.format(layer=k), layout, shape, index[1:])
-                        for k in picked
+                        _read_region(checkpoint, name.format(layer=k), layout, shape, whole[1:])
+                        for k in range(*whole[0].indices(layers))
                     ]
                 )
             else:
-                value = _read_region(checkpoint, name, layout, shape, index)
-            read[key] = value.astype(dtype)
-        return read[key]
+                value = _read_region(checkpoint, name, layout, shape, whole)
+            box.append(value.astype(np.dtype(target.dtype), copy=False))
+        bounds = [s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True)]
+        return box[0][tuple(slice(a - o, b - o) for (a, b), o in zip(bounds, low, strict=True))]
 
     return jax.make_array_from_callback(tuple(target.shape), target.sharding, region)
 
