@@ -96,6 +96,16 @@ def slurm(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def hf(session: nox.Session) -> None:
+    """The LLaMA checkpoint tests against transformers itself (installs torch's CPU build
+    and transformers, see ``_install_transformers``): logits, greedy tokens, exports
+    transformers loads, every layout and two processes. ``nox -s tests`` runs them too."""
+    session.install("-e", ".[test]")
+    _install_transformers(session)
+    session.run("pytest", "tests/test_hf_llama.py", "-rs", "--durations=10", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def plan_tpu(session: nox.Session) -> None:
     """The planner through the TPU compiler (installs ``meshkit[tpu]``, libtpu, about
     a 100 MB download): the 1.3B model on a v5e-256 with its refused layouts as rows,
