@@ -500,6 +500,34 @@ def test_a_layout_the_compiler_refuses_is_a_row_and_the_others_are_planned(
     assert note in record["error"] and record["estimated_step_seconds"] is None
 
 
+def test_a_ctrl_c_ranks_the_layouts_planned_so_far(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    compile_once = jax.stages.Lowered.compile
+    calls = []
+
+    def compile_then_stop(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return compile_once(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_then_stop)
+    fsdp = meshkit.PartitionRules.fsdp("data", min_size=1024)
+    layouts = [
+        planning.Layout({"data": 8}, None, precision="f32", name="replicated"),
+        planning.Layout({"data": 8}, fsdp, precision="f32", name="fsdp"),
+        planning.Layout({"data": 8}, fsdp, precision="bf16", name="fsdp bf16"),
+    ]
+    result = planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+    assert [r.layout.name for r in result.reports] == ["replicated"]
+    assert result.not_planned == ("fsdp", "fsdp bf16") and result.best.layout.name == "replicated"
+    record = json.loads(result.write_json(tmp_path / "plan.json").read_text())
+    assert record["not_planned"] == ["fsdp", "fsdp bf16"]
+    calls.clear()
+    calls.append(1)  # the first compile stops: nothing to rank, the Ctrl-C goes on
+    with pytest.raises(KeyboardInterrupt):
+        planning.plan(_mlp_workload(), layouts, TARGET, progress=False)
+
+
 @pytest.mark.once(8)
 @pytest.mark.parametrize(
     ("name", "conv"),

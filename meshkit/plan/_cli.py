@@ -57,14 +57,28 @@ def remat_policies(text: str) -> list[RematPolicy]:
     return cast(list[RematPolicy], names)
 
 
+class _WithDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, where it has one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m meshkit.plan``."""
     p = argparse.ArgumentParser(
         prog="python -m meshkit.plan",
         description="Compile candidate layouts for a target you do not have and rank them: "
-        "memory per device, collectives, estimated step time.",
+        "memory per device, collectives, estimated step time. A Ctrl-C ranks the layouts "
+        "planned so far (and writes --json and --png).",
+        formatter_class=_WithDefaults,
     )
-    p.add_argument("--model", default="gpt-1.3b", choices=sorted(MODELS))
+    p.add_argument("--model", default="gpt-1.3b", choices=sorted(MODELS), help="the model")
     p.add_argument(
         "--hf-config",
         type=Path,
@@ -87,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=_positive, default=2048, help="tokens per sequence")
     p.add_argument("--batch-size", type=_positive, default=256, help="global batch, sequences")
     p.add_argument("--accelerator", default="h100", help="a name in meshkit.plan.ACCELERATORS")
-    p.add_argument("--devices", type=_positive, default=64)
+    p.add_argument("--devices", type=_positive, default=64, help="accelerators in all")
     p.add_argument("--slices", type=_positive, default=1, help="nodes (GPU) or slices (TPU)")
     p.add_argument(
         "--compiler",
@@ -105,7 +119,9 @@ def parser() -> argparse.ArgumentParser:
         help="remat policies to try, comma-separated",
     )
     p.add_argument("--microbatches", type=_ints, default=[1], help="counts to try")
-    p.add_argument("--precision", default="bf16", choices=("f32", "bf16", "f16"))
+    p.add_argument(
+        "--precision", default="bf16", choices=("f32", "bf16", "f16"), help="compute precision"
+    )
     p.add_argument(
         "--attention",
         choices=("auto", "xla", "cudnn", "pallas"),
@@ -252,6 +268,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise SystemExit(f"{args.workload or args.hf_config or args.model}: {first}") from None
     print(result.table())
+    if result.not_planned:
+        skipped = result.not_planned
+        names = ", ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else "")
+        print(
+            f"Stopped by Ctrl-C: {len(skipped)} candidate layouts not planned ({names}); "
+            "the table ranks the others."
+        )
     print(result.describe_choice())
     if args.json:
         print(f"plan written to {result.write_json(args.json)}")

@@ -162,11 +162,13 @@ class Plan:
       dropped: the layouts left out because an axis of theirs that is not a data axis
         shards no parameter (their devices would repeat the same work); ``plan(...,
         keep_idle=True)`` keeps them, marked.
+      not_planned: the candidates a Ctrl-C left uncompiled (the plan ranks the others).
     """
 
     target: Target
     reports: tuple[LayoutReport, ...]
     dropped: tuple[str, ...] = ()
+    not_planned: tuple[str, ...] = ()
 
     @property
     def best(self) -> LayoutReport:
@@ -211,6 +213,7 @@ class Plan:
             },
             "layouts": [report.to_json() for report in self.reports],
             "dropped": list(self.dropped),
+            "not_planned": list(self.not_planned),
         }
 
 
@@ -300,11 +303,18 @@ def plan(
                 f"axis sizes whose product is {target.devices}."
             )
     devices = target_devices(target)
-    measurements = []
-    for layout in tqdm(layouts, desc="planning", unit="layout", disable=not progress):
-        measurements.append(measure(workload, layout, target, devices))
-        if on_report is not None:
-            on_report(estimate(measurements[-1], target, measurements[-1].flops * target.devices))
+    measurements: list[Measurement] = []
+    try:
+        for layout in tqdm(layouts, desc="planning", unit="layout", disable=not progress):
+            measurements.append(measure(workload, layout, target, devices))
+            if on_report is not None:
+                on_report(
+                    estimate(measurements[-1], target, measurements[-1].flops * target.devices)
+                )
+    except KeyboardInterrupt:  # a Ctrl-C: the layouts planned so far are the plan
+        if not measurements:
+            raise
+    not_planned = tuple(layout.name for layout in layouts[len(measurements) :])
     _say_resharding(measurements)
     model_flops = workload.model_flops
     if model_flops is None:
@@ -316,7 +326,7 @@ def plan(
         wasted = []  # asked for, or nothing else fits: kept, marked and ranked last
     kept = [r for r in reports if r not in wasted]
     dropped = tuple(r.layout.name for r in wasted)
-    return Plan(target, tuple(sorted(kept, key=_rank_key)), dropped)
+    return Plan(target, tuple(sorted(kept, key=_rank_key)), dropped, not_planned)
 
 
 def _wastes_an_axis(m: Measurement) -> bool:
