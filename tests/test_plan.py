@@ -262,6 +262,31 @@ def test_plan_ranks_fitting_layouts_and_writes_json_and_png(tmp_path) -> None:  
     assert " 0.00 " not in result.table().splitlines()[3]
 
 
+def test_mfu_counts_the_models_flops_and_hfu_what_the_program_runs() -> None:
+    workload = planning.transformer_workload(  # long enough that attention is 23% of it
+        num_layers=2, embed_dim=128, num_heads=4, mlp_dim=512, vocab_size=256, length=256,
+        batch_size=8,
+    )  # fmt: skip
+    layouts = [
+        planning.Layout({"data": 8}, None, precision="f32", remat=remat, name=remat)
+        for remat in ("none", "nothing_saveable")
+    ]
+    plain, recomputing = sorted(
+        planning.plan(workload, layouts, TARGET, progress=False).reports,
+        key=lambda r: r.layout.remat != "none",
+    )
+    # Without remat the program runs the model's FLOPs (6 per parameter and token, and
+    # attention's 12 * layers * positions * width) and little else; a count that missed
+    # the backward pass or attention, or counted the embedding lookup, would be far off.
+    assert plain.measurement.flops * 8 == pytest.approx(workload.model_flops, rel=0.05)
+    for report in (plain, recomputing):
+        peak = report.estimated_step_seconds * TARGET.chip.peak_flops * 8
+        assert report.estimated_mfu == pytest.approx(workload.model_flops / peak)
+        assert report.estimated_hfu == pytest.approx(report.measurement.flops * 8 / peak)
+    assert recomputing.estimated_hfu > 1.15 * recomputing.estimated_mfu  # the forward again
+    assert " MFU   HFU  bound by" in planning.Plan(TARGET, (plain,)).table()
+
+
 def test_nothing_fits_names_the_closest_and_its_overshoot() -> None:
     from meshkit.plan._planner import estimate
 

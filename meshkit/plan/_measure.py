@@ -39,8 +39,10 @@ class Workload:
       loss_fn: ``loss_fn(params, state, batch, rng) -> (loss, LossOutput)``.
       batch: the global batch, as arrays or ``jax.ShapeDtypeStruct``s (only shapes and
         dtypes are read).
-      model_flops: FLOPs of one step's useful work over all devices (for MFU); by
-        default the least any candidate layout needs (the one that recomputes least).
+      model_flops: FLOPs of one step's useful work over all devices (for MFU), from
+        the architecture (``transformer_workload`` sets it: ``transformer_model_flops``);
+        by default the least any candidate layout compiles to (the one that recomputes
+        least), which leaves out what a fused kernel does.
     """
 
     model: Model | Callable[[RematPolicy], Model]

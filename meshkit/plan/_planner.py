@@ -38,7 +38,10 @@ class LayoutReport:
         bandwidth, within and across slices).
       estimated_step_seconds: ``max(compute, memory) + ici + dcn`` (no overlap of
         communication with compute is assumed, so it errs long).
-      estimated_mfu: the workload's model FLOPs / (step time × peak FLOP/s × devices).
+      estimated_mfu: model FLOPs utilisation: the workload's model FLOPs (its useful
+        work, ``Workload.model_flops``) / (step time × peak FLOP/s × devices).
+      estimated_hfu: hardware FLOPs utilisation: the FLOPs the compiled program runs
+        (recomputation included) / (step time × peak FLOP/s × devices).
     """
 
     measurement: Measurement
@@ -47,6 +50,7 @@ class LayoutReport:
     terms: dict[str, float]
     estimated_step_seconds: float
     estimated_mfu: float
+    estimated_hfu: float
 
     @property
     def layout(self) -> Layout:
@@ -97,6 +101,7 @@ class LayoutReport:
             "step_time_terms_seconds": self.terms,
             "bottleneck": self.bottleneck,
             "estimated_mfu": self.estimated_mfu,
+            "estimated_hfu": self.estimated_hfu,
             "compile_seconds": m.compile_seconds,
             "compiler": m.compiler,
             "error": m.error or None,
@@ -138,9 +143,11 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
     if measurement.error:  # no program: no step time (NaN stays NaN through max)
         step = float("nan")
     capacity = int(chip.hbm_bytes * target.memory_fraction)
-    mfu = model_flops / (step * chip.peak_flops * target.devices) if step > 0 else 0.0
+    peak = step * chip.peak_flops * target.devices
+    mfu = model_flops / peak if step > 0 else 0.0
+    hfu = measurement.flops * target.devices / peak if step > 0 else 0.0
     if measurement.error:
-        mfu = float("nan")
+        mfu = hfu = float("nan")
     return LayoutReport(
         measurement=measurement,
         capacity_bytes=capacity,
@@ -148,6 +155,7 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
         terms=terms,
         estimated_step_seconds=step,
         estimated_mfu=mfu,
+        estimated_hfu=hfu,
     )
 
 

@@ -39,7 +39,7 @@ def plan_table(plan: Plan) -> str:
     columns = (
         f"{'#':>2}  {'layout':<{width}} {'fits':<4} {f'param {byte}':>9} {f'optim {byte}':>9} "
         f"{f'temp {byte}':>9} {f'total {byte}':>9} {f'comm {comm}':>8} {flop:>7} "
-        f"{f'step {time}':>8} {'MFU':>5}  bound by"
+        f"{f'step {time}':>8} {'MFU':>5} {'HFU':>5}  bound by"
     )
     lines = [header, columns, "-" * len(columns)]
     if plan.target.compiler == "gpu":  # where the figures come from, on XLA:GPU
@@ -55,7 +55,8 @@ def plan_table(plan: Plan) -> str:
             f"{_figure(report.collective_bytes() / per_comm, '8.2f', compiled)} "
             f"{_figure(m.flops / per_flop, '7.1f', compiled)} "
             f"{_figure(report.estimated_step_seconds / per_time, '8.3f', compiled)} "
-            f"{_figure(report.estimated_mfu, '5.0%', compiled)}  "
+            f"{_figure(report.estimated_mfu, '5.0%', compiled)} "
+            f"{_figure(report.estimated_hfu, '5.0%', compiled)}  "
             f"{report.bottleneck}"
         )
         if m.error:
@@ -161,7 +162,7 @@ def describe_choice(plan: Plan) -> str:
     return (
         f"chosen: {best.layout.name} - fits with {spare:.2f} GiB to spare, estimated "
         f"{_duration(best.estimated_step_seconds)} per step (bound by {best.bottleneck}), "
-        f"MFU {best.estimated_mfu:.0%}{versus}"
+        f"MFU {best.estimated_mfu:.0%} (HFU {best.estimated_hfu:.0%}){versus}"
     )
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import optax
@@ -90,8 +92,8 @@ def transformer_workload(
     """
     from meshkit.models import Transformer
 
-    def model(remat: RematPolicy) -> Model:
-        module = Transformer(
+    def transformer(remat: RematPolicy) -> Transformer:
+        return Transformer(
             vocab_size=vocab_size,
             num_layers=num_layers,
             num_heads=num_heads,
@@ -103,7 +105,9 @@ def transformer_workload(
             attention=attention,
             **architecture,
         )
-        return linen_model(module, jnp.zeros((1, length), jnp.int32))
+
+    def model(remat: RematPolicy) -> Model:
+        return linen_model(transformer(remat), jnp.zeros((1, length), jnp.int32))
 
     if tx is None:
         tx = float32_state(optax.adamw(3e-4, weight_decay=0.1))
@@ -112,7 +116,44 @@ def transformer_workload(
         tx=tx,
         loss_fn=next_token_loss,
         batch={"tokens": jax.ShapeDtypeStruct((batch_size, length + 1), jnp.int32)},
+        model_flops=transformer_model_flops(
+            transformer("none"), batch_size=batch_size, length=length
+        ),
     )
+
+
+def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> float:
+    """The model FLOPs of one training step of a ``Transformer``: per token, six per
+    parameter a token is multiplied by (forward 2, backward 4) and twelve per layer,
+    position attended and query width for attention's two products (PaLM's count,
+    appendix B, no causal halving); kernels and recomputation change none of it.
+
+    The parameters counted are every one but the input embedding's where a separate
+    output matrix computes the logits (a lookup multiplies nothing) and learned
+    position codes; a tied embedding counts once, as the logits' matrix.
+
+    Examples:
+        >>> from meshkit.models import Transformer
+        >>> llama = Transformer(vocab_size=256, num_layers=2, num_heads=4, embed_dim=64,
+        ...     mlp_dim=256, max_length=32, positions="rope", norm="rms", mlp="swiglu",
+        ...     use_bias=False, tie_embeddings=False)
+        >>> layer = 4 * 64 * 64 + 3 * 64 * 256 + 2 * 64  # attention, MLP, norms
+        >>> n = 2 * layer + 64 * 256 + 64  # the output matrix, the final norm
+        >>> attention = 12 * 2 * 32 * 64  # layers, positions, width
+        >>> transformer_model_flops(llama, batch_size=8, length=32) == 8 * 32 * (6 * n + attention)
+        True
+    """
+    boxed = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, length), jnp.int32))
+    params = flax.linen.unbox(boxed)["params"]
+    skipped = {"position_embedding"} | ({"embed"} if "head" in params else set())
+    counted = sum(
+        math.prod(leaf.shape)
+        for name, tree in params.items()
+        if name not in skipped
+        for leaf in jax.tree.leaves(tree)
+    )
+    per_token = 6 * counted + 12 * module.num_layers * length * module.embed_dim
+    return float(batch_size * length * per_token)
 
 
 def korthikanti_activation_bytes(
