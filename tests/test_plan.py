@@ -289,6 +289,18 @@ def test_mfu_counts_the_models_flops_and_hfu_what_the_program_runs() -> None:
     assert " MFU   HFU  bound by" in planning.Plan(TARGET, (plain,)).table()
 
 
+@pytest.mark.once
+def test_a_chip_holds_what_a_program_gets_there(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    h100, v5e = planning.Target("h100", 8), planning.Target("v5e", 8)
+    assert h100.usable_bytes() == (60 * 10**9, "75% of the HBM, JAX's default preallocation")
+    assert v5e.usable_bytes()[0] == 15.75 * 2**30  # what XLA:TPU compiles a v5e program for
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert h100.usable_bytes() == (72 * 10**9, "90% of the HBM, XLA_PYTHON_CLIENT_MEM_FRACTION")
+    asked = planning.Target("h100", 8, memory_fraction=0.5)
+    assert asked.usable_bytes() == (40 * 10**9, "50% of the HBM, as asked")
+
+
 def test_nothing_fits_names_the_closest_and_its_overshoot() -> None:
     from meshkit.plan._planner import estimate
 

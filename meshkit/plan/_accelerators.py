@@ -12,6 +12,7 @@ per chip") are halved, and network line rates (Gb/s) are divided by 8.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 _GB = 10**9
 _GIB = 2**30
@@ -61,6 +62,38 @@ class Accelerator:
     ici_bytes_per_second: float
     dcn_bytes_per_second: float
     source: str
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.name.startswith("v")
+
+    def usable_bytes(self, fraction: float | None = None) -> tuple[int, str]:
+        """The memory a program may use on one chip, and why: ``fraction`` of it when
+        given; on a GPU, JAX's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 75% by
+        default), the most a JAX program gets; on a TPU, the limit XLA:TPU compiles
+        against (the HBM less ``TPU_RESERVED_BYTES``)."""
+        if fraction is not None:
+            return int(self.hbm_bytes * fraction), f"{fraction:.0%} of the HBM, as asked"
+        if self.is_tpu:
+            reserve = TPU_RESERVED_BYTES / 2**30
+            return (
+                self.hbm_bytes - TPU_RESERVED_BYTES,
+                f"the HBM less {reserve:.2f} GiB, XLA:TPU's limit",
+            )
+        setting = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        share = float(setting) if setting else GPU_MEMORY_FRACTION
+        how = "XLA_PYTHON_CLIENT_MEM_FRACTION" if setting else "JAX's default preallocation"
+        return int(self.hbm_bytes * share), f"{share:.0%} of the HBM, {how}"
+
+
+GPU_MEMORY_FRACTION = 0.75
+"""The share of a GPU's memory JAX preallocates and its programs may use, unless
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` says another
+(https://docs.jax.dev/en/latest/gpu_memory_allocation.html)."""
+
+TPU_RESERVED_BYTES = 256 * 2**20
+"""What XLA:TPU keeps of a chip's HBM: it compiles against 15.75 of a v5e's 16 GiB (its
+out-of-memory message names the limit); the same reserve is assumed on other TPUs."""
 
 
 ACCELERATORS: dict[str, Accelerator] = {
@@ -133,13 +166,14 @@ ACCELERATORS: dict[str, Accelerator] = {
         name="v5e",
         description="Google Cloud TPU v5e",
         peak_flops=197e12,
-        hbm_bytes=16 * _GB,
+        hbm_bytes=16 * _GIB,
         hbm_bytes_per_second=819e9,
         ici_bytes_per_second=200e9,
         dcn_bytes_per_second=3.125e9,
         source=(
             "Cloud TPU v5e, https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 per "
-            "chip; HBM2 16 GB (as stated: GB), 819 GBps; bidirectional ICI 400 GBps "
+            "chip; HBM2 16 GB as stated, which XLA:TPU counts as 16 GiB (its limit for a "
+            "program is 15.75 GiB); 819 GBps; bidirectional ICI 400 GBps "
             "per chip, halved (an older version of the page lists 1600 Gbps = 200 GB/s). "
             "Network: the page's per-host NIC, 2 x 100 Gbps, over 8 chips per host = "
             "25 Gbps = 3.125 GB/s per chip (matches 6.4 Tbps per 256-chip pod)."

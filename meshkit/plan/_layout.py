@@ -184,7 +184,9 @@ class Target:
         ``a100``; needs ``pip install "meshkit[gpu-plan]"``, no GPU; memory figures are
         XLA:GPU's, FLOPs counted from the program's products).
       topology: the TPU topology name, e.g. ``"v5e:16x16"`` (``compiler="tpu"`` only).
-      memory_fraction: the share of each chip's memory a plan may use.
+      memory_fraction: the share of each chip's memory a plan may use; by default
+        what a program gets (``Accelerator.usable_bytes``: JAX's preallocation on a
+        GPU, XLA:TPU's own limit on a TPU).
     """
 
     accelerator: str
@@ -192,7 +194,7 @@ class Target:
     slices: int = 1
     compiler: Compiler = "cpu"
     topology: str | None = None
-    memory_fraction: float = 0.9
+    memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         accelerator(self.accelerator)  # an unknown name fails here, listing the known ones
@@ -214,6 +216,10 @@ class Target:
     def chip(self) -> Accelerator:
         """The accelerator's published figures."""
         return accelerator(self.accelerator)
+
+    def usable_bytes(self) -> tuple[int, str]:
+        """The memory a program may use on one chip, and why (``memory_fraction``)."""
+        return self.chip.usable_bytes(self.memory_fraction)
 
 
 XLA_CPU_MAX_DEVICES = 2048

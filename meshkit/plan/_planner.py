@@ -31,7 +31,7 @@ class LayoutReport:
 
     Attributes:
       measurement: what the compiled step needs (bytes, FLOPs, collectives).
-      capacity_bytes: the memory one chip may use (capacity × ``memory_fraction``).
+      capacity_bytes: the memory one chip may use (``Target.usable_bytes``).
       fits: ``total_bytes`` is within ``capacity_bytes``.
       terms: the roofline's terms in seconds: ``compute`` (FLOPs / peak), ``memory``
         (``memory_traffic`` / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic / link
@@ -142,7 +142,7 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
     step = max(terms["compute"], terms["memory"]) + terms["ici"] + terms["dcn"]
     if measurement.error:  # no program: no step time (NaN stays NaN through max)
         step = float("nan")
-    capacity = int(chip.hbm_bytes * target.memory_fraction)
+    capacity, _ = target.usable_bytes()
     peak = step * chip.peak_flops * target.devices
     mfu = model_flops / peak if step > 0 else 0.0
     hfu = measurement.flops * target.devices / peak if step > 0 else 0.0
@@ -151,7 +151,9 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
     return LayoutReport(
         measurement=measurement,
         capacity_bytes=capacity,
-        fits=not measurement.error and measurement.total_bytes <= capacity,
+        # The TPU compiler refuses what passes its own limit: a program is one that fits.
+        fits=not measurement.error
+        and (measurement.compiler.startswith("XLA:TPU") or measurement.total_bytes <= capacity),
         terms=terms,
         estimated_step_seconds=step,
         estimated_mfu=mfu,
@@ -238,7 +240,7 @@ def _nothing_fits(plan: Plan) -> str:
     bigger = sorted(
         chip.name
         for chip in ACCELERATORS.values()
-        if chip.hbm_bytes * plan.target.memory_fraction >= m.total_bytes
+        if chip.usable_bytes(plan.target.memory_fraction)[0] >= m.total_bytes
     )
     fixes = []
     if m.temp_bytes > over:

@@ -27,7 +27,8 @@ def plan_table(plan: Plan) -> str:
     chip = plan.target.chip
     header = (
         f"{plan.target.devices} x {chip.description} ({plan.target.slices} slice(s)), "
-        f"{plan.reports[0].capacity_bytes / GiB:.1f} GiB usable per chip; "
+        f"{plan.reports[0].capacity_bytes / GiB:.2f} GiB usable per chip "
+        f"({plan.target.usable_bytes()[1]}); "
         f"figures from {plan.reports[0].measurement.compiler}"
     )
     width = max(len("layout"), *(len(report.layout.name) for report in plan.reports))
