@@ -157,19 +157,32 @@ def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> flo
 
 
 def korthikanti_activation_bytes(
-    *, length: int, batch: int, width: int, heads: int, fused_attention: bool = False
+    *,
+    length: int,
+    batch: int,
+    width: int,
+    heads: int,
+    softmax_bytes: int = 2,
+    fused_attention: bool = False,
 ) -> float:
-    """Activation bytes one Transformer layer keeps for its backward pass, in 16-bit, by
-    the count of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models", section 4.1), without dropout (meshkit's models train without
-    it by default): their ``s·b·h·(34 + 5·a·s/h)`` less the two dropout masks of the
-    block (``2·s·b·h``) and the mask of the attention weights (``a·s²·b``), that is
-    ``s·b·h·(32 + 4·a·s/h)``; a fused attention kernel keeps no weights: ``32·s·b·h``.
+    """Activation bytes one Transformer layer keeps for its backward pass, 16-bit
+    activations, by the count of Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", section 4.1) without dropout (meshkit's
+    models train without it by default). Their ``s·b·h·(34 + 5·a·s/h)`` holds, besides
+    the block's two dropout masks (``2·s·b·h``), three ``[s, s]`` tensors per head: the
+    softmax (``2·a·s²·b``), its dropout mask (``a·s²·b``) and the dropout's output
+    (``2·a·s²·b``), which the product with V keeps. Without dropout that product keeps
+    the softmax itself: ``s·b·h·32 + softmax_bytes·a·s²·b``, with ``softmax_bytes`` 2
+    for a 16-bit softmax and 4 for a float32 one (JAX's XLA attention computes it in
+    float32); a fused attention kernel keeps no ``[s, s]`` tensor: ``32·s·b·h``.
 
     Examples:
-        >>> korthikanti_activation_bytes(length=2048, batch=1, width=1024, heads=8) / 2**20
+        >>> shape = dict(length=2048, batch=1, width=1024, heads=8)
+        >>> korthikanti_activation_bytes(**shape) / 2**20  # a 16-bit softmax
+        128.0
+        >>> korthikanti_activation_bytes(**shape, softmax_bytes=4) / 2**20  # XLA attention
         192.0
     """
     s, b, h, a = length, batch, width, heads
-    attention = 0 if fused_attention else 4 * a * s / h
+    attention = 0 if fused_attention else softmax_bytes * a * s / h
     return s * b * h * (32 + attention)
