@@ -301,6 +301,21 @@ def test_a_chip_holds_what_a_program_gets_there(monkeypatch) -> None:  # type: i
     assert asked.usable_bytes() == (40 * 10**9, "50% of the HBM, as asked")
 
 
+def test_fsdp_gathers_a_tied_embedding_once_a_step() -> None:
+    def gathered(vocab: int) -> float:
+        workload = planning.transformer_workload(  # logits far larger than the table
+            num_layers=1, embed_dim=64, num_heads=4, mlp_dim=256, vocab_size=vocab,
+            length=256, batch_size=64,
+        )  # fmt: skip
+        layouts = planning.candidate_layouts(8, tensor=(1,), fsdp=(8,), remat=("none",))
+        report = planning.plan(workload, layouts, TARGET, progress=False).reports[0]
+        return report.to_json()["collective_payload_bytes_by_kind"]["all-gather"]
+
+    # 512 more rows of 64 float32: gathered once for the lookup and the logits together
+    # (each gathering its own copy moved them twice)
+    assert gathered(1024) - gathered(512) == 512 * 64 * 4
+
+
 def test_nothing_fits_names_the_closest_and_its_overshoot() -> None:
     from meshkit.plan._planner import estimate
 

@@ -401,6 +401,25 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
 
 
+@jax.custom_vjp
+def _whole_width(table_VxD: jax.Array) -> jax.Array:
+    """The embedding table gathered along the model width (its FSDP shards), its
+    gradient scattered back to them: an all-gather forward, a reduce-scatter backward
+    (a plain sharding constraint would all-reduce the whole gradient)."""
+    return nn.with_logical_constraint(table_VxD, ("vocab", None))
+
+
+def _whole_width_forward(table_VxD: jax.Array) -> tuple[jax.Array, None]:
+    return _whole_width(table_VxD), None
+
+
+def _whole_width_backward(_: None, grad_VxD: jax.Array) -> tuple[jax.Array]:
+    return (nn.with_logical_constraint(grad_VxD, ("vocab", "embed")),)
+
+
+_whole_width.defvjp(_whole_width_forward, _whole_width_backward)
+
+
 class Transformer(nn.Module):
     """A decoder-only (GPT-style) Transformer: token ids ``[B, L]`` to logits ``[B, L, V]``.
 
@@ -561,7 +580,15 @@ class Transformer(nn.Module):
             param_dtype=self.param_dtype,
             name="embed",
         )
-        x_BxLxD = embed(jnp.clip(tokens_BxL, 0, self.vocab_size - 1))
+        if self.tie_embeddings:
+            # One table for the lookup and the logits, whole along the model width:
+            # under FSDP its shards are gathered once a step and its gradient
+            # reduce-scattered once, where the lookup and the logits' product would each
+            # move their own.
+            table_VxD = _whole_width(embed.embedding)
+            x_BxLxD = jnp.take(table_VxD, jnp.clip(tokens_BxL, 0, self.vocab_size - 1), axis=0)
+        else:
+            x_BxLxD = embed(jnp.clip(tokens_BxL, 0, self.vocab_size - 1))
         # An id outside the vocabulary would read another row (-5) or NaN (vocab_size
         # and up) without a word: NaN for both, which fit stops on and names.
         known_BxL = (tokens_BxL >= 0) & (tokens_BxL < self.vocab_size)
@@ -602,7 +629,8 @@ class Transformer(nn.Module):
                 x_BxLxD = block(**shape, name=f"block_{layer}")(x_BxLxD, train)
         x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype, self.norm_epsilon)(x_BxLxD)
         if self.tie_embeddings:
-            logits_BxLxV = embed.attend(x_BxLxD)
+            query_BxLxD, table_VxD = nn.dtypes.promote_dtype(x_BxLxD, table_VxD)
+            logits_BxLxV = query_BxLxD @ table_VxD.T
         else:
             logits_BxLxV = nn.Dense(
                 self.vocab_size,
