@@ -39,6 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen.dtypes import promote_dtype
 
 from meshkit.models._attention import (
     AttentionImplementation,
@@ -580,15 +581,12 @@ class Transformer(nn.Module):
             param_dtype=self.param_dtype,
             name="embed",
         )
-        if self.tie_embeddings:
-            # One table for the lookup and the logits, whole along the model width:
-            # under FSDP its shards are gathered once a step and its gradient
-            # reduce-scattered once, where the lookup and the logits' product would each
-            # move their own.
-            table_VxD = _whole_width(embed.embedding)
-            x_BxLxD = jnp.take(table_VxD, jnp.clip(tokens_BxL, 0, self.vocab_size - 1), axis=0)
-        else:
-            x_BxLxD = embed(jnp.clip(tokens_BxL, 0, self.vocab_size - 1))
+        # A tied table serves the lookup and the logits whole along the model width:
+        # under FSDP its shards are gathered once a step and its gradient
+        # reduce-scattered once, where the lookup and the logits' product would each move
+        # their own.
+        table_VxD = _whole_width(embed.embedding) if self.tie_embeddings else embed.embedding
+        x_BxLxD = jnp.take(table_VxD, jnp.clip(tokens_BxL, 0, self.vocab_size - 1), axis=0)
         # An id outside the vocabulary would read another row (-5) or NaN (vocab_size
         # and up) without a word: NaN for both, which fit stops on and names.
         known_BxL = (tokens_BxL >= 0) & (tokens_BxL < self.vocab_size)
@@ -629,7 +627,7 @@ class Transformer(nn.Module):
                 x_BxLxD = block(**shape, name=f"block_{layer}")(x_BxLxD, train)
         x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype, self.norm_epsilon)(x_BxLxD)
         if self.tie_embeddings:
-            query_BxLxD, table_VxD = nn.dtypes.promote_dtype(x_BxLxD, table_VxD)
+            query_BxLxD, table_VxD = promote_dtype(x_BxLxD, table_VxD)
             logits_BxLxV = query_BxLxD @ table_VxD.T
         else:
             logits_BxLxV = nn.Dense(
