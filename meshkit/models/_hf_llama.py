@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from meshkit.models._safetensors import SafetensorsFile, Tensor
+from meshkit.models._safetensors import SafetensorsFile, Tensor, spans
 from meshkit.models._transformer import RopeScaling, Transformer
 
 CONFIG = "config.json"
@@ -276,7 +276,7 @@ def _read_region(
     wanted = [slice(None)] * len(split)
     for position, dimension in enumerate(layout.order):
         wanted[dimension] = index[position]
-    bounds = [s.indices(n)[:2] for s, n in zip(wanted, split, strict=True)]
+    bounds = spans(tuple(wanted), split)
     region, cut = [], []
     for group in layout.groups:
         outer, inner = group[0], group[1:]
@@ -384,13 +384,9 @@ def _load_leaf(
             )
     # This process's devices' slices lie in one box (most often its share), read once
     # when the first device asks for it: each byte read once however many devices hold it.
-    spans = np.asarray(
-        [
-            [s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True)]
-            for index in target.sharding.addressable_devices_indices_map(target.shape).values()
-        ]
-    )
-    low, high = spans[:, :, 0].min(axis=0), spans[:, :, 1].max(axis=0)
+    held = target.sharding.addressable_devices_indices_map(target.shape).values()
+    held_spans = np.asarray([spans(index, target.shape) for index in held])
+    low, high = held_spans[:, :, 0].min(axis=0), held_spans[:, :, 1].max(axis=0)
     box: list[np.ndarray] = []
 
     def region(index: Any) -> np.ndarray:
@@ -406,7 +402,7 @@ def _load_leaf(
             else:
                 value = _read_region(checkpoint, name, layout, shape, whole)
             box.append(value.astype(np.dtype(target.dtype), copy=False))
-        bounds = [s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True)]
+        bounds = spans(index, target.shape)
         return box[0][tuple(slice(a - o, b - o) for (a, b), o in zip(bounds, low, strict=True))]
 
     return jax.make_array_from_callback(tuple(target.shape), target.sharding, region)

@@ -34,6 +34,11 @@ DTYPES = {
 }
 
 
+def spans(region: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Each dimension's ``(start, stop)`` of ``region`` (slices of step 1) in ``shape``."""
+    return [s.indices(n)[:2] for s, n in zip(region, shape, strict=True)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     dtype: np.dtype
@@ -90,7 +95,7 @@ class SafetensorsFile:
         tensor = self.tensors[name]
         if not tensor.shape:
             return self._read_into(np.empty((), tensor.dtype), tensor.offset)
-        bounds = [s.indices(n)[:2] for s, n in zip(region, tensor.shape, strict=True)]
+        bounds = spans(region, tensor.shape)
         (first, last), inner = bounds[0], bounds[1:]
         row = tensor.shape[1:]
         row_bytes = math.prod(row) * tensor.dtype.itemsize
