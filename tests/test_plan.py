@@ -7,6 +7,7 @@ import functools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -508,6 +509,25 @@ def test_a_loop_without_a_trip_count_annotation_is_counted_by_its_condition() ->
     assert unannotated.dot_flops == annotated.dot_flops > 10 * annotated.dot_flops_once
 
 
+def _failing_compiles(
+    monkeypatch: pytest.MonkeyPatch, error_at: Callable[[int], BaseException | None]
+) -> list[int]:
+    """Patches XLA's compile: its n-th call (from 1) raises ``error_at(n)`` where that
+    gives an exception, else compiles. Returns the list of calls, one entry each."""
+    compile_once = jax.stages.Lowered.compile
+    calls: list[int] = []
+
+    def compile_or_fail(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        error = error_at(len(calls))
+        if error is not None:
+            raise error
+        return compile_once(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_or_fail)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("message", "note"),
     [
@@ -523,16 +543,7 @@ def test_a_loop_without_a_trip_count_annotation_is_counted_by_its_condition() ->
 def test_a_layout_the_compiler_refuses_is_a_row_and_the_others_are_planned(
     monkeypatch, tmp_path, message: str, note: str
 ) -> None:  # type: ignore[no-untyped-def]
-    compile_once = jax.stages.Lowered.compile
-    calls = []
-
-    def compile_or_refuse(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError(message)
-        return compile_once(self, *args, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_or_refuse)
+    _failing_compiles(monkeypatch, lambda n: RuntimeError(message) if n == 1 else None)
     fsdp = meshkit.PartitionRules.fsdp("data", min_size=1024)
     layouts = [
         planning.Layout({"data": 8}, None, precision="f32", name="refused"),
@@ -555,16 +566,7 @@ def test_a_layout_the_compiler_refuses_is_a_row_and_the_others_are_planned(
 
 
 def test_a_ctrl_c_ranks_the_layouts_planned_so_far(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    compile_once = jax.stages.Lowered.compile
-    calls = []
-
-    def compile_then_stop(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) > 1:
-            raise KeyboardInterrupt
-        return compile_once(self, *args, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_then_stop)
+    calls = _failing_compiles(monkeypatch, lambda n: KeyboardInterrupt() if n > 1 else None)
     fsdp = meshkit.PartitionRules.fsdp("data", min_size=1024)
     layouts = [
         planning.Layout({"data": 8}, None, precision="f32", name="replicated"),
