@@ -43,6 +43,8 @@ CONFIG = {
     "rope_theta": 10000.0,
 }
 PROCESSES = 8
+LAYOUTS = ((PROCESSES, 1), (1, PROCESSES))
+"""(processes, devices per process) of the two reads, FSDP over all devices."""
 TABLE = {"vocab": None, "mlp": None, "heads": None, "kv_heads": None, "kv": None, "embed": "data"}
 
 
@@ -104,10 +106,14 @@ def write_checkpoint(folder: Path) -> dict[str, float]:
     return {"checkpoint_mib": sum(sizes) / 2**20, "largest_tensor_mib": max(sizes) / 2**20}
 
 
+def weight_files(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.glob("*.safetensors"))
+
+
 def cat_seconds(folder: Path, readers: int = 1) -> float:
     """Seconds for ``readers`` processes at once to read the weight files, each once
     (after a first read warmed the page cache)."""
-    files = sorted(str(p) for p in folder.glob("*.safetensors"))
+    files = weight_files(folder)
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
     began = time.perf_counter()
     cats = [subprocess.Popen(["cat", *files], stdout=subprocess.DEVNULL) for _ in range(readers)]
@@ -119,7 +125,7 @@ def cat_seconds(folder: Path, readers: int = 1) -> float:
 def into_memory_seconds(folder: Path) -> float:
     """Seconds for a fresh process to read the weight files into its memory (numpy
     arrays), the least an import that places every byte on one host's devices does."""
-    files = sorted(str(p) for p in folder.glob("*.safetensors"))
+    files = weight_files(folder)
     code = (
         "import time, numpy as np; t = time.perf_counter(); "
         f"a = [np.fromfile(f, np.uint8) for f in {files!r}]; print(time.perf_counter() - t)"
@@ -136,13 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "checkpoint"
         result: dict[str, Any] = write_checkpoint(folder)
-        result["files"] = len(list(folder.glob("*.safetensors")))
+        result["files"] = len(weight_files(folder))
         result["cat_seconds"] = cat_seconds(folder)
         result["cats_seconds"] = cat_seconds(folder, PROCESSES)
         result["into_memory_seconds"] = into_memory_seconds(folder)
         from benchmarks.hf_import import read_here as in_each  # by module name, not __main__
 
-        for processes, devices in ((PROCESSES, 1), (1, PROCESSES)):
+        for processes, devices in LAYOUTS:
             result[f"{processes}x{devices}"] = run_processes(
                 in_each,
                 str(folder),
@@ -159,7 +165,7 @@ def tables(run: dict[str, Any]) -> dict[str, str]:
     """``table``: each layout's share of the checkpoint and peak memory growth per
     process against the bound, and the slowest read against reading the files."""
     rows = []
-    for processes, devices in ((PROCESSES, 1), (1, PROCESSES)):
+    for processes, devices in LAYOUTS:
         runs = run[f"{processes}x{devices}"]
         share = runs[0]["share_mib"]
         slowest = max(r["seconds"] for r in runs)
