@@ -14,6 +14,13 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 
+# Installed packages arrive with their bytecode compiled (uv leaves it out by default), and
+# the tests' own processes may write theirs: where PYTHONDONTWRITEBYTECODE is set, every
+# Python process the suite starts (recipes, docs blocks, the processes of a multi-process
+# test, hundreds in all) would otherwise compile jax, flax and optax from source again,
+# about a second each.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+
 
 # pytest-xdist workers for the single-process passes: one per core, at most 4. Each
 # worker is a JAX process with its own fake devices; a test file stays on one worker, so
@@ -31,7 +38,7 @@ def tests(session: nox.Session) -> None:
     args = ["--durations=15", *session.posargs]  # the slowest tests, to keep CI fast
     parallel = ["-n", WORKERS, "--dist", "loadfile"]
     single = "not multiprocess and not slurm and not tpu and not gpu_plan"
-    cache = _compilation_cache(session)
+    env = _test_env(session)
     session.run(
         "pytest",
         "tests",
@@ -39,15 +46,13 @@ def tests(session: nox.Session) -> None:
         single,
         *parallel,
         *args,
-        env={"MESHKIT_TEST_DEVICES": "1", **cache},
+        env={"MESHKIT_TEST_DEVICES": "1", **env},
     )
-    session.run(
-        "pytest", "-m", single, *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8", **cache}
-    )
+    session.run("pytest", "-m", single, *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8", **env})
     # One at a time: each starts JAX processes of its own, and the signal and timing
     # tests among them need the cores they were written for.
-    session.run("pytest", "tests", "-m", "multiprocess and not tpu", *args, env=cache)
-    _slurm_tests(session, args, env=cache)
+    session.run("pytest", "tests", "-m", "multiprocess and not tpu", *args, env=env)
+    _slurm_tests(session, args, env=env)
 
 
 def _install_transformers(session: nox.Session) -> None:
@@ -65,8 +70,9 @@ def _install_transformers(session: nox.Session) -> None:
     session.install("transformers>=4.45")
 
 
-def _compilation_cache(session: nox.Session) -> dict[str, str]:
-    """JAX's persistent compilation cache for this run of the suite, empty at its start.
+def _test_env(session: nox.Session) -> dict[str, str]:
+    """The tests' environment: bytecode written (see ``UV_COMPILE_BYTECODE`` above) and
+    JAX's persistent compilation cache for this run of the suite, empty at its start.
 
     Many tests and the processes they start compile the same programs (a recipe's
     train step, a docs page's model): compiled once, the others load them. Every
@@ -77,6 +83,7 @@ def _compilation_cache(session: nox.Session) -> dict[str, str]:
     directory = Path(session.create_tmp()) / "jax-compilation-cache"
     shutil.rmtree(directory, ignore_errors=True)
     return {
+        "PYTHONDONTWRITEBYTECODE": "",
         "JAX_COMPILATION_CACHE_DIR": str(directory),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
     }
