@@ -21,6 +21,7 @@ BENCHMARKS = [
     "sweep",
     "lbfgs",
     "plan",
+    "plan_recipe",
     "hf_import",
 ]
 

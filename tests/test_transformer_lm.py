@@ -154,7 +154,7 @@ def test_two_processes_train_like_one():
 
 
 @pytest.mark.once  # the recipe picks its own 8 devices
-def test_recipe_learns_in_a_third_of_its_steps(tmp_path):
+def test_recipe_learns_context_in_a_sixth_of_its_steps(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
@@ -162,7 +162,7 @@ def test_recipe_learns_in_a_third_of_its_steps(tmp_path):
             "recipes.transformer_lm",
             "--no-progress",
             "--steps",
-            "400",
+            "200",
             "--workdir",
             str(tmp_path),
         ],
@@ -173,9 +173,10 @@ def test_recipe_learns_in_a_third_of_its_steps(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    # A third of the default run (3.10 measured); the default 1,200 steps reach 2.14, below
+    # A sixth of the default run: 3.58 measured, where 100 steps (4.16) have learnt little
+    # more than the characters' frequencies; the default 1,200 steps reach 2.14, below
     # TARGET_BPC (nox -s first_hour checks that run).
-    assert summary["test_bits_per_char"] < 3.3 and summary["steps"] == 400
+    assert summary["test_bits_per_char"] < 3.8 and summary["steps"] == 200
     assert summary["mesh"] == {"data": 4, "model": 2} and summary["train_step_compiles"] == 1
     assert summary["sample"].startswith("The ") and len(summary["sample"]) > 100
     assert "mlp/up/kernel" in out.stdout and "P('data', 'model')" in out.stdout

@@ -127,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
         choices=("auto", "xla", "cudnn", "pallas"),
         help="the model's attention (default: pallas with --compiler tpu, else auto)",
     )
+    p.add_argument(
+        "--efficiency",
+        help="fractions of peak a step reaches, e.g. compute=0.45,links=0.8,overlap=1 "
+        "(default: calibrated on published runs, docs/planning.md)",
+    )
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument("--png", type=Path, help="write bytes per device per layout as a PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -242,7 +247,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from meshkit.plan._layout import Target, target_devices
     from meshkit.plan._planner import candidate_layouts, plan
 
-    target = Target(args.accelerator, args.devices, args.slices, args.compiler, args.topology)
+    target = Target(
+        args.accelerator,
+        args.devices,
+        args.slices,
+        args.compiler,
+        args.topology,
+        efficiency=args.efficiency,
+    )
     layouts = candidate_layouts(
         args.devices,
         tensor=args.tensor,
@@ -297,6 +309,14 @@ def _check_target(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             f"--devices {args.devices} does not split into --slices {args.slices} of equal "
             "size; pass a slice count that divides the devices"
         )
+    if args.efficiency is not None:
+        from meshkit.plan._efficiency import parse_efficiency
+
+        family = "tpu" if ACCELERATORS[args.accelerator].is_tpu else "gpu"
+        try:
+            args.efficiency = parse_efficiency(args.efficiency, family)
+        except ValueError as error:
+            p.error(str(error))
     if args.compiler == "tpu" and not args.topology:
         p.error(
             "--compiler tpu needs --topology, the TPU slice to compile for, e.g. "

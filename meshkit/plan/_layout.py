@@ -17,6 +17,7 @@ from meshkit._mesh import parse_axes
 from meshkit._rules import FSDP, PartitionRules, Rule
 from meshkit.models._remat import RematPolicy
 from meshkit.plan._accelerators import Accelerator, accelerator
+from meshkit.plan._efficiency import Efficiency, calibrated
 
 Compiler = Literal["cpu", "tpu", "gpu"]
 
@@ -187,6 +188,9 @@ class Target:
       memory_fraction: the share of each chip's memory a plan may use; by default
         what a program gets (``Accelerator.usable_bytes``: JAX's preallocation on a
         GPU, XLA:TPU's own limit on a TPU).
+      efficiency: the fractions of the chip's peaks a step reaches; by default the
+        chip family's calibration on published measured runs
+        (``meshkit.plan.calibrated``).
     """
 
     accelerator: str
@@ -195,6 +199,7 @@ class Target:
     compiler: Compiler = "cpu"
     topology: str | None = None
     memory_fraction: float | None = None
+    efficiency: Efficiency | None = None
 
     def __post_init__(self) -> None:
         accelerator(self.accelerator)  # an unknown name fails here, listing the known ones
@@ -220,6 +225,12 @@ class Target:
     def usable_bytes(self) -> tuple[int, str]:
         """The memory a program may use on one chip, and why (``memory_fraction``)."""
         return self.chip.usable_bytes(self.memory_fraction)
+
+    def step_efficiency(self) -> Efficiency:
+        """``efficiency``, or the chip family's calibrated one."""
+        if self.efficiency is not None:
+            return self.efficiency
+        return calibrated("tpu" if self.chip.is_tpu else "gpu")
 
 
 XLA_CPU_MAX_DEVICES = 2048

@@ -97,6 +97,9 @@ class Measurement:
       resharding_warnings: XLA's "Involuntary full rematerialization" warnings while
         compiling (a tensor it could not reshard efficiently, replicated first; see
         docs/planning.md), taken off the console and counted here.
+      compile_alarms: XLA's alarms about its own compile time while compiling
+        (constant folding or a compile taking long), taken off the console and
+        counted here.
       idle_axes: the layout's model and FSDP axes (of more than one device) that shard
         no parameter: a model axis then only repeats the same work on each of its
         devices, an FSDP axis is plain data parallelism.
@@ -119,6 +122,7 @@ class Measurement:
     error: str = ""
     idle_axes: tuple[str, ...] = ()
     resharding_warnings: int = 0
+    compile_alarms: int = 0
 
     def traffic_bytes(self, *, across_slices: bool | None = None) -> float:
         """Bytes one device sends per step in collectives (all, within, or across slices)."""
@@ -172,12 +176,14 @@ def measure(
         workload.loss_fn, state_shardings_of(state), data, microbatches=layout.microbatches
     )
     start = time.perf_counter()
-    reshards: list[str] = []
-    with _xla_resharding_warnings(reshards):
+    log = XlaLog()
+    with _xla_log(log):
         measurement = _compile(
             step, state, batch, layout, slice_of_device=slice_of_device, target=target, start=start
         )
-    return dataclasses.replace(measurement, resharding_warnings=len(reshards))
+    return dataclasses.replace(
+        measurement, resharding_warnings=log.reshards, compile_alarms=log.alarms
+    )
 
 
 def _compile(
@@ -237,11 +243,30 @@ def memory_refusal(message: str) -> tuple[str, int, int] | None:
 RESHARDING_WARNING = "Involuntary full rematerialization"
 """What XLA's SPMD partitioner logs when it replicates a tensor to reshard it."""
 
+COMPILE_ALARM = "slow_operation_alarm"
+"""The source file of XLA's alarms about its own compile time ("Constant folding an
+instruction is taking > 1s", "Very slow compile?"): a paragraph each, about the compile,
+not the program."""
+
+_LOG_LINE = re.compile(r"^[IWEF]\d{4} ")
+"""The start of one of XLA's C++ log lines (severity and date); an alarm's paragraph
+runs until the next."""
+
+
+@dataclasses.dataclass
+class XlaLog:
+    """XLA's C++ log lines while a layout compiled: resharding warnings and compile-time
+    alarms counted, the rest passed on."""
+
+    reshards: int = 0
+    alarms: int = 0
+
 
 @contextlib.contextmanager
-def _xla_resharding_warnings(collected: list[str]) -> Iterator[None]:
+def _xla_log(log: XlaLog) -> Iterator[None]:
     """XLA's C++ log lines (file descriptor 2) while the block runs: those naming
-    ``RESHARDING_WARNING`` go to ``collected``, the rest back to stderr after it."""
+    ``RESHARDING_WARNING`` and the ``COMPILE_ALARM`` paragraphs are counted in ``log``,
+    the rest go back to stderr after it (so nothing lands inside a progress bar)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as sink:
@@ -254,10 +279,16 @@ def _xla_resharding_warnings(collected: list[str]) -> Iterator[None]:
             os.close(saved)
             sink.seek(0)
             text = sink.read().decode(errors="replace")
+    in_alarm = False
     for line in text.splitlines(keepends=True):
+        if _LOG_LINE.match(line):
+            in_alarm = False
         if RESHARDING_WARNING in line:
-            collected.append(line)
-        else:
+            log.reshards += 1
+        elif COMPILE_ALARM in line:
+            log.alarms += 1
+            in_alarm = True
+        elif not in_alarm:
             sys.stderr.write(line)
     sys.stderr.flush()
 

@@ -1,4 +1,4 @@
-"""Rank candidate layouts: memory per device against capacity, and a roofline step time."""
+"""Rank candidate layouts: memory per device against capacity, and an estimated step time."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tqdm import tqdm
 from meshkit._rules import FSDP, PartitionRules
 from meshkit.models._remat import RematPolicy
 from meshkit.plan._accelerators import ACCELERATORS
+from meshkit.plan._efficiency import step_seconds
 from meshkit.plan._layout import Layout, Target, target_devices
 from meshkit.plan._measure import Measurement, Workload, measure
 
@@ -33,11 +34,16 @@ class LayoutReport:
       measurement: what the compiled step needs (bytes, FLOPs, collectives).
       capacity_bytes: the memory one chip may use (``Target.usable_bytes``).
       fits: ``total_bytes`` is within ``capacity_bytes``.
-      terms: the roofline's terms in seconds: ``compute`` (FLOPs / peak), ``memory``
-        (``memory_traffic`` / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic / link
-        bandwidth, within and across slices).
-      estimated_step_seconds: ``max(compute, memory) + ici + dcn`` (no overlap of
-        communication with compute is assumed, so it errs long).
+      terms: the step's terms in seconds, at the rates ``Target.step_efficiency``
+        says a step reaches: ``compute`` (FLOPs / achieved FLOP/s), ``memory``
+        (``memory_traffic`` / HBM bandwidth), ``ici`` and ``dcn`` (collective traffic /
+        achieved link bandwidth, within and across slices).
+      estimated_step_seconds: ``step_seconds(max(compute, memory), ici + dcn,
+        overlap)``: the collectives' share ``overlap`` of the shorter hidden under the
+        longer.
+      step_seconds_range: the least and most the step may take: the calibration
+        runs' best compute efficiency with every collective hidden, their worst with
+        none hidden.
       estimated_mfu: model FLOPs utilisation: the workload's model FLOPs (its useful
         work, ``Workload.model_flops``) / (step time × peak FLOP/s × devices).
       estimated_hfu: hardware FLOPs utilisation: the FLOPs the compiled program runs
@@ -49,6 +55,7 @@ class LayoutReport:
     fits: bool
     terms: dict[str, float]
     estimated_step_seconds: float
+    step_seconds_range: tuple[float, float]
     estimated_mfu: float
     estimated_hfu: float
 
@@ -98,6 +105,7 @@ class LayoutReport:
             "bytes_accessed_per_device": m.bytes_accessed,
             "matmul_bytes_per_device": m.matmul_bytes,
             "estimated_step_seconds": self.estimated_step_seconds,
+            "step_seconds_range": list(self.step_seconds_range),
             "step_time_terms_seconds": self.terms,
             "bottleneck": self.bottleneck,
             "estimated_mfu": self.estimated_mfu,
@@ -116,6 +124,8 @@ def _json_number(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {key: _json_number(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_number(item) for item in value]
     return value
 
 
@@ -129,23 +139,35 @@ def memory_traffic(measurement: Measurement) -> float:
 
 
 def estimate(measurement: Measurement, target: Target, model_flops: float) -> LayoutReport:
-    """The roofline estimate of one measured layout on the target's chips."""
+    """The estimate of one measured layout's step on the target's chips, at the rates
+    ``target.step_efficiency()`` says a step reaches."""
     chip = target.chip
+    efficiency = target.step_efficiency()
     ici = measurement.traffic_bytes(across_slices=False)
     dcn = measurement.traffic_bytes(across_slices=True)
+    at_peak = measurement.flops / chip.peak_flops
+    links = efficiency.links
     terms = {
-        "compute": measurement.flops / chip.peak_flops,
+        "compute": at_peak / efficiency.compute,
         "memory": memory_traffic(measurement) / chip.hbm_bytes_per_second,
-        "ici": ici / chip.ici_bytes_per_second,
-        "dcn": dcn / chip.dcn_bytes_per_second,
+        "ici": ici / (chip.ici_bytes_per_second * links),
+        "dcn": dcn / (chip.dcn_bytes_per_second * links),
     }
-    step = max(terms["compute"], terms["memory"]) + terms["ici"] + terms["dcn"]
-    if measurement.error:  # no program: no step time (NaN stays NaN through max)
-        step = float("nan")
+    communication = terms["ici"] + terms["dcn"]
+
+    def step(compute: float, overlap: float) -> float:
+        busy = max(at_peak / compute, terms["memory"])
+        return step_seconds(busy, communication, overlap)
+
+    low, high = efficiency.compute_range
+    seconds = step(efficiency.compute, efficiency.overlap)
+    span = (step(high, 1.0), step(low, 0.0))
+    if measurement.error:  # no program: no step time
+        seconds, span = float("nan"), (float("nan"), float("nan"))
     capacity, _ = target.usable_bytes()
-    peak = step * chip.peak_flops * target.devices
-    mfu = model_flops / peak if step > 0 else 0.0
-    hfu = measurement.flops * target.devices / peak if step > 0 else 0.0
+    peak = seconds * chip.peak_flops * target.devices
+    mfu = model_flops / peak if seconds > 0 else 0.0
+    hfu = measurement.flops * target.devices / peak if seconds > 0 else 0.0
     if measurement.error:
         mfu = hfu = float("nan")
     return LayoutReport(
@@ -155,7 +177,8 @@ def estimate(measurement: Measurement, target: Target, model_flops: float) -> La
         fits=not measurement.error
         and (measurement.compiler.startswith("XLA:TPU") or measurement.total_bytes <= capacity),
         terms=terms,
-        estimated_step_seconds=step,
+        estimated_step_seconds=seconds,
+        step_seconds_range=span,
         estimated_mfu=mfu,
         estimated_hfu=hfu,
     )
@@ -288,7 +311,8 @@ def plan(
     Each layout's train step is lowered on abstract, sharded inputs and compiled for
     stand-in devices (fake CPU devices, or a TPU topology description); its memory
     and FLOPs come from the compiled program, its collectives from the program's HLO,
-    and its step time from a roofline over the target chip's published figures.
+    and its step time from the target chip's published figures at the rates
+    ``target.step_efficiency()`` says a step reaches.
 
     Args:
       workload: the model, optimizer, loss and global batch shapes.
@@ -325,7 +349,7 @@ def plan(
         if not measurements:
             raise
     not_planned = tuple(layout.name for layout in layouts[len(measurements) :])
-    _say_resharding(measurements)
+    _say_xla_log(measurements)
     model_flops = workload.model_flops
     if model_flops is None:
         compiled = [m.flops for m in measurements if not m.error]
@@ -344,16 +368,33 @@ def _wastes_an_axis(m: Measurement) -> bool:
     return any(axis not in m.layout.data_axes for axis in m.idle_axes)
 
 
-def _say_resharding(measurements: Sequence[Measurement]) -> None:
-    """XLA's resharding warnings of the whole plan, in one line (each is hundreds of
-    characters, and came once per tensor)."""
+def _names(measurements: Sequence[Measurement]) -> str:
+    """The layouts' names, the first three and a count where there are more than four."""
+    shown = measurements if len(measurements) <= 4 else measurements[:3]
+    names = ", ".join(m.layout.name for m in shown)
+    if len(shown) < len(measurements):
+        names += f" and {len(measurements) - len(shown)} more"
+    return names
+
+
+def _say_xla_log(measurements: Sequence[Measurement]) -> None:
+    """XLA's resharding warnings and compile-time alarms of the whole plan, a line each
+    (each warning is hundreds of characters and came once per tensor; each alarm a
+    paragraph)."""
+    alarmed = [m for m in measurements if m.compile_alarms]
+    if alarmed:
+        logging.getLogger("meshkit").warning(
+            "XLA said %d time(s) that compiling took long (constant folding or a slow "
+            "compile; its slow_operation_alarm) in %d layout(s): %s. It concerns the "
+            "compile time only, not the figures.",
+            sum(m.compile_alarms for m in alarmed),
+            len(alarmed),
+            _names(alarmed),
+        )
     warned = [m for m in measurements if m.resharding_warnings]
     if not warned:
         return
-    shown = warned if len(warned) <= 4 else warned[:3]
-    names = ", ".join(m.layout.name for m in shown)
-    if len(shown) < len(warned):
-        names += f" and {len(warned) - len(shown)} more"
+    names = _names(warned)
     logging.getLogger("meshkit").warning(
         'XLA replicated a tensor it could not reshard efficiently (%d "Involuntary full '
         'rematerialization" warnings) in %d layout(s): %s. Their memory and traffic include '

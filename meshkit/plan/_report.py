@@ -34,15 +34,17 @@ def plan_table(plan: Plan) -> str:
     width = max(len("layout"), *(len(report.layout.name) for report in plan.reports))
     reports = plan.reports
     byte, per_byte = unit_for([r.measurement.total_bytes for r in reports], BYTE_UNITS)
-    comm, per_comm = unit_for([r.collective_bytes() for r in reports], TRAFFIC_UNITS)
+    # Traffic in the memory columns' binary units too, each column its own scale.
+    comm, per_comm = unit_for([r.collective_bytes() for r in reports], BYTE_UNITS)
     flop, per_flop = unit_for([r.measurement.flops for r in reports], FLOP_UNITS)
     time, per_time = unit_for([r.estimated_step_seconds for r in reports], TIME_UNITS)
     columns = (
         f"{'#':>2}  {'layout':<{width}} {'fits':<4} {f'param {byte}':>9} {f'optim {byte}':>9} "
         f"{f'temp {byte}':>9} {f'total {byte}':>9} {f'comm {comm}':>8} {flop:>7} "
-        f"{f'step {time}':>8} {'MFU':>5} {'HFU':>5}  bound by"
+        f"{f'step {time}':>8} {'range':>13} {'MFU':>5} {'HFU':>5}  bound by"
     )
-    lines = [header, columns, "-" * len(columns)]
+    rates = f"step times: {plan.target.step_efficiency().describe()} (docs/planning.md)"
+    lines = [header, rates, columns, "-" * len(columns)]
     if plan.target.compiler == "gpu":  # where the figures come from, on XLA:GPU
         lines.insert(1, GPU_CAVEAT)
     notes = []
@@ -53,9 +55,10 @@ def plan_table(plan: Plan) -> str:
             f"{rank:>2}  {m.layout.name:<{width}} {'yes' if report.fits else 'NO':<4} "
             f"{m.params_bytes / per_byte:>9.2f} {m.optimizer_bytes / per_byte:>9.2f} "
             f"{m.temp_bytes / per_byte:>9.2f} {m.total_bytes / per_byte:>9.2f} "
-            f"{_figure(report.collective_bytes() / per_comm, '8.2f', compiled)} "
+            f"{_figure(report.collective_bytes() / per_comm, '9.2f', compiled)} "
             f"{_figure(m.flops / per_flop, '7.1f', compiled)} "
             f"{_figure(report.estimated_step_seconds / per_time, '8.3f', compiled)} "
+            f"{_span(report.step_seconds_range, per_time, compiled)} "
             f"{_figure(report.estimated_mfu, '5.0%', compiled)} "
             f"{_figure(report.estimated_hfu, '5.0%', compiled)}  "
             f"{report.bottleneck}"
@@ -73,7 +76,6 @@ def plan_table(plan: Plan) -> str:
 
 
 BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-TRAFFIC_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
 FLOP_UNITS = (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3))
 TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 
@@ -94,6 +96,14 @@ def unit_for(values: list[float], units: tuple[tuple[str, float], ...]) -> tuple
         if largest / factor >= 0.1:
             return name, factor
     return units[-1]
+
+
+def _span(seconds: tuple[float, float], per: float, compiled: bool) -> str:
+    """A step time's range in the step column's unit, 13 characters wide."""
+    if not compiled:
+        return f"{'-':>13}"
+    low, high = (value / per for value in seconds)
+    return f"{f'{low:.3f}-{high:.3f}':>13}"
 
 
 def _duration(seconds: float) -> str:
@@ -162,7 +172,9 @@ def describe_choice(plan: Plan) -> str:
     )
     return (
         f"chosen: {best.layout.name} - fits with {spare:.2f} GiB to spare, estimated "
-        f"{_duration(best.estimated_step_seconds)} per step (bound by {best.bottleneck}), "
+        f"{_duration(best.estimated_step_seconds)} per step "
+        f"({_duration(best.step_seconds_range[0])} to {_duration(best.step_seconds_range[1])}, "
+        f"bound by {best.bottleneck}), "
         f"MFU {best.estimated_mfu:.0%} (HFU {best.estimated_hfu:.0%}){versus}"
     )
 
@@ -192,10 +204,11 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         ) from error
     reports = plan.reports
     names = [report.layout.name for report in reports]
+    unit, per = unit_for([r.measurement.total_bytes for r in reports], BYTE_UNITS)
     parts = {
-        "parameters": [r.measurement.params_bytes / GiB for r in reports],
-        "optimizer state": [r.measurement.optimizer_bytes / GiB for r in reports],
-        "temporaries": [r.measurement.temp_bytes / GiB for r in reports],
+        "parameters": [r.measurement.params_bytes / per for r in reports],
+        "optimizer state": [r.measurement.optimizer_bytes / per for r in reports],
+        "temporaries": [r.measurement.temp_bytes / per for r in reports],
         "other (batch, outputs)": [
             max(
                 r.measurement.total_bytes
@@ -204,7 +217,7 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
                 - r.measurement.temp_bytes,
                 0,
             )
-            / GiB
+            / per
             for r in reports
         ],
     }
@@ -213,22 +226,35 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     for label, values in parts.items():
         axes.bar(range(len(names)), values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    capacity = reports[0].capacity_bytes / GiB
-    axes.axhline(capacity, color="black", linestyle="--", label="usable per chip")
+    capacity = reports[0].capacity_bytes / per
+    if capacity <= 3 * max(bottom):  # on the bars' scale: a line
+        axes.axhline(capacity, color="black", linestyle="--", label="usable per chip")
+    else:  # far above a small model's bars, which a line there would flatten
+        axes.set_title(f"usable per chip: {capacity:,.0f} {unit}, off this scale", fontsize=8)
     chosen = 0 if reports and reports[0].fits else None
     if chosen is not None:  # the plan's choice, outlined, with its name above the bar
         axes.bar(chosen, bottom[chosen], fill=False, edgecolor="black", linewidth=2)
         axes.annotate("chosen", (chosen, bottom[chosen]), ha="center", va="bottom", fontsize=7)
     axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-    axes.set_ylabel("GiB per device")
-    axes.set_title(f"{plan.target.devices} x {plan.target.chip.description}")
+    axes.set_ylabel(f"{unit} per device")
+    figure.suptitle(f"{plan.target.devices} x {plan.target.chip.description}")
     times = axes.twinx()  # the estimated step time of every layout the compiler compiled
-    known = [
-        (i, r.estimated_step_seconds) for i, r in enumerate(reports) if not r.measurement.error
-    ]
+    known = [(i, r) for i, r in enumerate(reports) if not r.measurement.error]
+    time_unit, per_time = unit_for([r.estimated_step_seconds for _, r in known], TIME_UNITS)
     if known:
-        times.plot(*zip(*known, strict=True), "kD", markersize=4, label="step time (right)")
-    times.set_ylabel("estimated seconds per step")
+        steps = [r.estimated_step_seconds for _, r in known]
+        below = [r.estimated_step_seconds - r.step_seconds_range[0] for _, r in known]
+        above = [r.step_seconds_range[1] - r.estimated_step_seconds for _, r in known]
+        times.errorbar(
+            [i for i, _ in known],
+            [step / per_time for step in steps],
+            yerr=[[b / per_time for b in below], [a / per_time for a in above]],
+            fmt="kD",
+            markersize=4,
+            capsize=3,
+            label="step time and its range (right)",
+        )
+    times.set_ylabel(f"estimated {time_unit} per step")
     times.set_ylim(bottom=0)
     handles, labels = axes.get_legend_handles_labels()
     more, more_labels = times.get_legend_handles_labels()
