@@ -22,6 +22,7 @@ BENCHMARKS = [
     "lbfgs",
     "plan",
     "plan_recipe",
+    "activations",
     "hf_import",
 ]
 

@@ -13,6 +13,9 @@
    XLA:GPU too where ``GPU_PLAN_PYTHON`` names a Python with JAX's CUDA plugin
    (``pip install "meshkit[gpu-plan]"``; the recipe keeps the XLA:CPU figures a plain
    install prints).
+3. Where ``TPU_PLAN_PYTHON`` names a Python with libtpu (``pip install
+   "meshkit[tpu]"``), ``python -m recipes.plan --targets v5e-256`` with it: the v5e
+   plan through the TPU compiler, with the flash kernel.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ MPT_1B_ARGV = [
 """The MPT-1B setup as a plan: data=8 (across nodes) x fsdp=8 (within one)."""
 
 
-def run_recipe() -> dict[str, Any]:
-    """``python -m recipes.plan`` in a fresh process: its output and wall seconds."""
+def run_recipe(python: str = sys.executable, *argv: str) -> dict[str, Any]:
+    """``python -m recipes.plan argv`` in a fresh process: its output and wall seconds."""
     with tempfile.TemporaryDirectory() as workdir:
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "recipes.plan", "--workdir", workdir],
+            [python, "-m", "recipes.plan", *argv, "--workdir", workdir],
             capture_output=True,
             text=True,
             check=True,
@@ -77,21 +80,27 @@ def main() -> None:
     mpt = [plan_mpt_1b(python, compiler) for python, compiler in planners]
     measured = 256 * 2048 / 64 / MPT_1B_TOKENS_PER_SECOND_PER_GPU
     results = {"recipe": run_recipe(), "mpt_1b": mpt, "mpt_1b_measured_seconds": measured}
+    if os.environ.get("TPU_PLAN_PYTHON"):
+        tpu = run_recipe(os.environ["TPU_PLAN_PYTHON"], "--targets", "v5e-256", "--quiet")
+        results["recipe_tpu"] = tpu
     save("plan_recipe", results, tables)
 
 
-def tables(run: dict[str, Any]) -> dict[str, str]:
-    """``recipe``: the recipe's output and its wall time; ``mpt_1b``: the plan of MPT-1B's
-    setup against its measured step."""
-    recipe = run["recipe"]
+def _recipe_table(recipe: dict[str, Any], command: str) -> str:
+    """The recipe's output (without the line naming its temporary folder) and wall time."""
     output = recipe["stdout"].rstrip().split("\n")
-    # The folder the plans went to was a temporary one: the default's name instead.
-    output = [line.split("'s plan and its plot")[0] for line in output if "plot:" not in line]
-    text = "\n".join(output).strip()
-    recipe_table = (
-        f"`python -m recipes.plan`, {recipe['seconds']:.0f} s from the command to its last "
-        f"line:\n\n```text\n{text}\n```"
+    text = "\n".join(line for line in output if "plot:" not in line).strip()
+    return (
+        f"`{command}`, {recipe['seconds']:.0f} s from the command to its last line:\n\n"
+        f"```text\n{text}\n```"
     )
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``recipe``: the recipe's output and its wall time; ``recipe_tpu`` the same for the
+    v5e through the TPU compiler, where it ran; ``mpt_1b``: the plan of MPT-1B's setup
+    against its measured step."""
+    recipe_table = _recipe_table(run["recipe"], "python -m recipes.plan")
     measured = run["mpt_1b_measured_seconds"]
     rows = []
     for layout in run["mpt_1b"]:
@@ -115,7 +124,11 @@ def tables(run: dict[str, Any]) -> dict[str, str]:
     header = ["layout", "figures from", "TFLOP per GPU", "collectives GiB per GPU"]
     header += ["compute s", "collectives s", "planned step (range)", "measured step"]
     header += ["planned / measured", "planned MFU (measured 40.85%)"]
-    return {"recipe": recipe_table, "mpt_1b": markdown_table(header, rows, "ll" + "r" * 8)}
+    found = {"recipe": recipe_table, "mpt_1b": markdown_table(header, rows, "ll" + "r" * 8)}
+    if "recipe_tpu" in run:
+        command = "python -m recipes.plan --targets v5e-256  # with libtpu installed"
+        found["recipe_tpu"] = _recipe_table(run["recipe_tpu"], command)
+    return found
 
 
 if __name__ == "__main__":

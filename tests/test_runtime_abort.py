@@ -82,6 +82,22 @@ def test_the_runtimes_fatal_report_becomes_one_line_naming_the_lost_process(repo
 
 
 @pytest.mark.once
+def test_a_trace_printed_after_a_pause_goes_with_its_report():
+    # On a busy machine the runtime's stack trace may come after the quiet that judged
+    # the fatal message: it belongs to the report said in one line, and goes too.
+    out = Output("0")
+    fatal, trace = HEARTBEATS.split(b"*** Check failure")
+    out.filter.feed(fatal)
+    out.filter.quiet()
+    out.filter.feed(b"*** Check failure" + trace + b"    @     0x7ff2  (unknown)\n")
+    out.filter.feed(b"srun: error: vm: task 0: Aborted\n")
+    out.filter.close()
+    lines = out.text.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[meshkit] Process 0 stopped")
+    assert lines[1] == "srun: error: vm: task 0: Aborted"
+
+
+@pytest.mark.once
 def test_everything_else_is_copied_unchanged():
     out = Output()
     out.filter.feed(b"\r 10%|#         | 1/10\r 20%|##        | 2/10")

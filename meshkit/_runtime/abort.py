@@ -12,8 +12,9 @@ id>``: the standard library only, so it starts in milliseconds). It copies every
 through at once, except a C++ log line (``E1127 11:32:11.217444 8823 client.h:80] ...``),
 which it holds with what follows until the output has been quiet for ``QUIET`` seconds
 (at most ``HOLD_AT_MOST``) or ends: if that block holds the runtime's fatal message,
-it becomes one line naming the lost process; any other block is copied through
-unchanged, a moment later.
+it becomes one line naming the lost process, and the rest of its stack trace, which a
+busy machine may print after a pause, is dropped too; any other block is copied
+through unchanged, a moment later.
 ``MESHKIT_RUNTIME_REPORTS=1`` turns this off. The filter ignores the stop signals a
 launcher sends to the job, so that it outlives its process and copies its last words.
 """
@@ -38,6 +39,8 @@ ENV_SHOW = "MESHKIT_RUNTIME_REPORTS"
 _CPP_LOG = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.\-/]+\.(?:cc|h):\d+\] ")
 _MAYBE_CPP_LOG = re.compile(rb"[IWEF](?:\d|$)")  # an unfinished line that may become one
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+_TRACE = re.compile(rb"\*\*\* Check failure stack trace|\s+@ ")
+"""A line of the stack trace that follows the runtime's fatal message."""
 
 
 def gist(report: bytes) -> str:
@@ -72,6 +75,7 @@ class AbortFilter:
         self.write = write
         self.held = b""  # a C++ log block, and whatever followed it
         self.pending = b""  # the unfinished start of a line that may be a C++ log line
+        self.summarized = False  # the fatal report was said: what is left of its trace goes
 
     @property
     def holding(self) -> bool:
@@ -86,6 +90,8 @@ class AbortFilter:
         for line in _LINE.findall(data):
             if self.held:
                 self.held += line
+            elif self.summarized and _TRACE.match(line):
+                continue
             elif _CPP_LOG.match(line):
                 self.held = line
             elif not line.endswith((b"\n", b"\r")) and _MAYBE_CPP_LOG.match(line):
@@ -100,6 +106,7 @@ class AbortFilter:
         held, self.held, pending, self.pending = self.held, b"", self.pending, b""
         if FATAL in held:
             self.write(summary(self.process_id, held))
+            self.summarized = True
         elif held or pending:
             self.write(held + pending)
 

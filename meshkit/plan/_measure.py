@@ -305,7 +305,7 @@ def _compile_failure(error: Exception, target: Target) -> tuple[str, int]:
     what, need, have = refusal
     reason = (
         f"{compiler} refused it for memory: {what} need {need / 2**30:.2f} GiB, "
-        f"{have / 2**30:.2f} GiB available ({(need - have) / 2**30:.2f} GiB over)"
+        f"{have / 2**30:.2f} GiB available"
     )
     return reason, need if "temporar" in what.lower() else 0
 

@@ -64,9 +64,9 @@ def plan_table(plan: Plan) -> str:
             f"{report.bottleneck}"
         )
         if m.error:
-            notes.append(f"{rank:>2}  {m.layout.name}: {m.error}")
+            notes.append(f"  ^ row {rank}, {m.layout.name}: {m.error}")
         if m.idle_axes:
-            notes.append(f"{rank:>2}  {m.layout.name}: {_idle(m)}")
+            notes.append(f"  ^ row {rank}, {m.layout.name}: {_idle(m)}")
     if plan.dropped:
         notes.append(
             f"left out: {', '.join(plan.dropped)}: a model axis that shards no parameter, so "
