@@ -91,7 +91,8 @@ def bare_layers_temp_bytes(target: Any, layers: int, attention: str, shape: Shap
     )
 
     def loss(p: Any, x: jax.Array) -> jax.Array:
-        return jnp.sum(Stack().apply(p, x).astype(jnp.float32))
+        out: jax.Array = Stack().apply(p, x)  # pyright: ignore[reportAssignmentType]
+        return jnp.sum(out.astype(jnp.float32))
 
     # The mesh and the batch's logical axis in force, as in a train step: the flash
     # kernel then runs per device under shard_map.
