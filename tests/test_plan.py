@@ -21,6 +21,7 @@ import meshkit
 from meshkit import plan as planning
 from meshkit.models import RematPolicy
 from meshkit.plan import _hlo
+from meshkit.plan._efficiency import PUBLISHED_RUNS, PublishedRun, calibrated
 from meshkit.testing import run_processes
 from meshkit.train import classification_loss, create_train_state, linen_model
 
@@ -280,15 +281,13 @@ def test_mfu_counts_the_models_flops_and_hfu_what_the_program_runs() -> None:
 
 
 @pytest.mark.once
-@pytest.mark.parametrize("run", planning.PUBLISHED_RUNS, ids=lambda run: run.name)
-def test_the_calibration_predicts_each_published_run_within_a_quarter(
-    run: planning.PublishedRun,
-) -> None:
+@pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=lambda run: run.name)
+def test_the_calibration_predicts_each_published_run_within_a_quarter(run: PublishedRun) -> None:
     # These runs are bound by compute, so the planned step is the run's hardware FLOPs at
     # the family's efficiency and the measured one the same FLOPs at the run's own: their
     # ratio is the two efficiencies'. A run unlike the others (an outlier source, a remat
     # factor left out) would fall outside.
-    family = planning.calibrated(run.family)
+    family = calibrated(run.family)
     planned_over_measured = run.compute_efficiency / family.compute
     assert 0.8 <= planned_over_measured <= 1.25
     low, high = family.compute_range
@@ -315,7 +314,7 @@ def test_collectives_hide_their_overlapped_share_behind_compute() -> None:
     calibrated = _report("fsdp")  # the default: the published runs' median and spread
     low, high = calibrated.step_seconds_range
     assert low < calibrated.estimated_step_seconds < high
-    assert TARGET.step_efficiency() == planning.calibrated("gpu")
+    assert TARGET.step_efficiency() == calibrated("gpu")
 
 
 @pytest.mark.once

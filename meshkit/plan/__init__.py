@@ -4,7 +4,7 @@ Each candidate layout's train step is compiled on abstract, sharded inputs for s
 devices (fake CPU devices, or a TPU topology description with the TPU compiler), so a
 laptop can plan for a pod: memory per device from the compiled program, FLOPs and
 collectives from its HLO, and a step time from the chip's published figures at the
-fractions of them that published measured runs reached (``calibrated``).
+fractions of them that published measured runs reached (``Efficiency``).
 
 Importing it prepares the planner's environment for libtpu and JAX's CUDA plugin on a
 machine without their chips (``_environment``): import it before JAX starts.
@@ -14,10 +14,7 @@ from meshkit.plan import _environment  # noqa: F401  (first: before JAX starts)
 from meshkit.plan._accelerators import ACCELERATORS as ACCELERATORS
 from meshkit.plan._accelerators import Accelerator as Accelerator
 from meshkit.plan._cli import plan_in_subprocess as plan_in_subprocess
-from meshkit.plan._efficiency import PUBLISHED_RUNS as PUBLISHED_RUNS
 from meshkit.plan._efficiency import Efficiency as Efficiency
-from meshkit.plan._efficiency import PublishedRun as PublishedRun
-from meshkit.plan._efficiency import calibrated as calibrated
 from meshkit.plan._layout import Layout as Layout
 from meshkit.plan._layout import Target as Target
 from meshkit.plan._layout import installed_compilers as installed_compilers

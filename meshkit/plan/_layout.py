@@ -190,7 +190,7 @@ class Target:
         GPU, XLA:TPU's own limit on a TPU).
       efficiency: the fractions of the chip's peaks a step reaches; by default the
         chip family's calibration on published measured runs
-        (``meshkit.plan.calibrated``).
+        (``step_efficiency``; docs/planning.md lists the runs).
     """
 
     accelerator: str

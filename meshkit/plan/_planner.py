@@ -130,7 +130,7 @@ def _json_number(value: Any) -> Any:
 
 
 def memory_traffic(measurement: Measurement) -> float:
-    """The HBM bytes the roofline charges one step: the TPU compiler's own count, or
+    """The HBM bytes a step's memory term charges: the TPU compiler's own count, or
     (from XLA:CPU, which fuses less than GPU and TPU compilers) the products' and
     convolutions' operands and results, which no fusion avoids."""
     if measurement.compiler.startswith("XLA:TPU"):
