@@ -755,7 +755,7 @@ def test_sizes_that_give_no_layout_and_a_batch_one_layout_cannot_split_are_expla
             "argument --accelerator: unknown chip 'h900'; pass one of a100",
         ),
         (["--compiler", "tpu"], "--compiler tpu needs --topology, the TPU slice to compile for"),
-        (["--efficiency", "compute=2"], "Efficiency compute=2.0: a fraction of the peak"),
+        (["--efficiency", "compute=2"], "--efficiency compute=2: a fraction, above 0 and at"),
         (["--efficiency", "speed=1"], "--efficiency 'speed=1': expected name=fraction pairs"),
         (
             ["--topology", "v5e:2x4"],

@@ -188,6 +188,12 @@ def parse_efficiency(text: str, family: str) -> Efficiency:
             fields[name] = float(value)
         except ValueError:
             raise ValueError(f"--efficiency {name}={value!r}: not a number.") from None
+        low_ok = fields[name] >= 0 if name == "overlap" else fields[name] > 0
+        if not (low_ok and fields[name] <= 1):
+            expected = "from 0 to 1" if name == "overlap" else "above 0 and at most 1"
+            raise ValueError(
+                f"--efficiency {name}={value}: a fraction, {expected} (e.g. {name}=0.4 for 40%)."
+            )
     if "compute" in fields:  # a figure set by hand is not a range
         fields |= {"compute_low": fields["compute"], "compute_high": fields["compute"]}
     return dataclasses.replace(base, **fields, source=f"{base.source}; {text} by hand")
