@@ -294,6 +294,19 @@ def test_the_calibration_predicts_each_published_run_within_a_quarter(run: Publi
     assert low <= run.compute_efficiency <= high
 
 
+@pytest.mark.once
+def test_the_docs_table_of_published_runs_is_the_calibration() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "planning.md").read_text()
+    for run in PUBLISHED_RUNS:
+        ratio = run.compute_efficiency / calibrated(run.family).compute
+        row = next(line for line in page.splitlines() if line.startswith(f"| {run.name} |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[2] == f"{run.mfu:.2%}" and cells[4] == f"{run.compute_efficiency:.1%}"
+        assert cells[5] == f"{ratio:.2f}", (run.name, cells)
+
+
 def test_collectives_hide_their_overlapped_share_behind_compute() -> None:
     from meshkit.plan._planner import estimate
 
