@@ -255,7 +255,11 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
             label="step time and its range (right)",
         )
     times.set_ylabel(f"estimated {time_unit} per step")
-    times.set_ylim(bottom=0)
+    # Headroom above the bars and the step times, for the "chosen" mark and the legend.
+    tallest = max([*bottom, capacity if capacity <= 3 * max(bottom) else 0.0])
+    axes.set_ylim(0, (tallest or 1.0) * 1.2)
+    slowest = max((r.step_seconds_range[1] / per_time for _, r in known), default=1.0)
+    times.set_ylim(0, slowest * 1.6)
     handles, labels = axes.get_legend_handles_labels()
     more, more_labels = times.get_legend_handles_labels()
     axes.legend(handles + more, labels + more_labels, fontsize=7)
