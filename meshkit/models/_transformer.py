@@ -406,8 +406,12 @@ class Block(nn.Module):
 def _whole_width(table_VxD: jax.Array) -> jax.Array:
     """The embedding table gathered along the model width (its FSDP shards), its
     gradient scattered back to them: an all-gather forward, a reduce-scatter backward
-    (a plain sharding constraint would all-reduce the whole gradient)."""
-    return nn.with_logical_constraint(table_VxD, ("vocab", None))
+    (a plain sharding constraint would all-reduce the whole gradient). The table is
+    pinned to its shards first, so that the gather moves it in the dtype it arrives in
+    (the compute dtype): without the pin the partitioner gathers the float32 parameter
+    before its cast, twice the bytes."""
+    sharded_VxD = nn.with_logical_constraint(table_VxD, ("vocab", "embed"))
+    return nn.with_logical_constraint(sharded_VxD, ("vocab", None))
 
 
 def _whole_width_forward(table_VxD: jax.Array) -> tuple[jax.Array, None]:
