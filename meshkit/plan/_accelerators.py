@@ -67,6 +67,11 @@ class Accelerator:
     def is_tpu(self) -> bool:
         return self.name.startswith("v")
 
+    @property
+    def family(self) -> str:
+        """``"tpu"`` or ``"gpu"``: the chips whose published runs calibrate its step times."""
+        return "tpu" if self.is_tpu else "gpu"
+
     def usable_bytes(self, fraction: float | None = None) -> tuple[int, str]:
         """The memory a program may use on one chip, and why: ``fraction`` of it when
         given; on a GPU, JAX's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 75% by

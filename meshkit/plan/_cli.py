@@ -312,9 +312,10 @@ def _check_target(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.efficiency is not None:
         from meshkit.plan._efficiency import parse_efficiency
 
-        family = "tpu" if ACCELERATORS[args.accelerator].is_tpu else "gpu"
         try:
-            args.efficiency = parse_efficiency(args.efficiency, family)
+            args.efficiency = parse_efficiency(
+                args.efficiency, ACCELERATORS[args.accelerator].family
+            )
         except ValueError as error:
             p.error(str(error))
     if args.compiler == "tpu" and not args.topology:

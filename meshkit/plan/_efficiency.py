@@ -107,18 +107,8 @@ class Efficiency:
     source: str = "set by hand"
 
     def __post_init__(self) -> None:
-        for name in ("compute", "links"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(
-                    f"Efficiency {name}={value!r}: a fraction of the peak, above 0 and at "
-                    "most 1 (e.g. 0.4 for 40%)."
-                )
-        if not 0 <= self.overlap <= 1:
-            raise ValueError(
-                f"Efficiency overlap={self.overlap!r}: the share of collectives hidden "
-                "behind compute, from 0 to 1."
-            )
+        for name in ("compute", "links", "overlap"):
+            check_fraction(name, getattr(self, name), where="Efficiency")
 
     @property
     def compute_range(self) -> tuple[float, float]:
@@ -165,6 +155,19 @@ def calibrated(family: str, runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> Ef
     )
 
 
+def check_fraction(name: str, value: float, *, where: str, given: str | None = None) -> None:
+    """Raises a ValueError naming ``where`` (``Efficiency`` or ``--efficiency``) and the
+    value ``given`` unless ``value`` is a fraction: above 0 (``overlap``: from 0) and at
+    most 1."""
+    low_ok = value >= 0 if name == "overlap" else value > 0
+    if not (low_ok and value <= 1):
+        expected = "from 0 to 1" if name == "overlap" else "above 0 and at most 1"
+        shown = value if given is None else given
+        raise ValueError(
+            f"{where} {name}={shown}: a fraction, {expected} (e.g. {name}=0.4 for 40%)."
+        )
+
+
 def parse_efficiency(text: str, family: str) -> Efficiency:
     """``--efficiency`` on the command line: ``compute=0.45,links=0.8,overlap=1`` (any of
     the three; the others keep ``family``'s calibrated values).
@@ -188,12 +191,7 @@ def parse_efficiency(text: str, family: str) -> Efficiency:
             fields[name] = float(value)
         except ValueError:
             raise ValueError(f"--efficiency {name}={value!r}: not a number.") from None
-        low_ok = fields[name] >= 0 if name == "overlap" else fields[name] > 0
-        if not (low_ok and fields[name] <= 1):
-            expected = "from 0 to 1" if name == "overlap" else "above 0 and at most 1"
-            raise ValueError(
-                f"--efficiency {name}={value}: a fraction, {expected} (e.g. {name}=0.4 for 40%)."
-            )
+        check_fraction(name, fields[name], where="--efficiency", given=value)
     if "compute" in fields:  # a figure set by hand is not a range
         fields |= {"compute_low": fields["compute"], "compute_high": fields["compute"]}
     return dataclasses.replace(base, **fields, source=f"{base.source}; {text} by hand")

@@ -230,7 +230,7 @@ class Target:
         """``efficiency``, or the chip family's calibrated one."""
         if self.efficiency is not None:
             return self.efficiency
-        return calibrated("tpu" if self.chip.is_tpu else "gpu")
+        return calibrated(self.chip.family)
 
 
 XLA_CPU_MAX_DEVICES = 2048

@@ -378,31 +378,34 @@ def _names(measurements: Sequence[Measurement]) -> str:
 
 
 def _say_xla_log(measurements: Sequence[Measurement]) -> None:
-    """XLA's resharding warnings and compile-time alarms of the whole plan, a line each
+    """XLA's compile-time alarms and resharding warnings of the whole plan, a line each
     (each warning is hundreds of characters and came once per tensor; each alarm a
     paragraph)."""
-    alarmed = [m for m in measurements if m.compile_alarms]
-    if alarmed:
-        logging.getLogger("meshkit").warning(
-            "XLA said %d time(s) that compiling took long (constant folding or a slow "
-            "compile; its slow_operation_alarm) in %d layout(s): %s. It concerns the "
-            "compile time only, not the figures.",
-            sum(m.compile_alarms for m in alarmed),
-            len(alarmed),
-            _names(alarmed),
-        )
-    warned = [m for m in measurements if m.resharding_warnings]
-    if not warned:
-        return
-    names = _names(warned)
-    logging.getLogger("meshkit").warning(
+    _say_in_one_line(
+        measurements,
+        lambda m: m.compile_alarms,
+        "XLA said %d time(s) that compiling took long (constant folding or a slow compile; "
+        "its slow_operation_alarm) in %d layout(s): %s. It concerns the compile time only, "
+        "not the figures.",
+    )
+    _say_in_one_line(
+        measurements,
+        lambda m: m.resharding_warnings,
         'XLA replicated a tensor it could not reshard efficiently (%d "Involuntary full '
         'rematerialization" warnings) in %d layout(s): %s. Their memory and traffic include '
         'it; see docs/planning.md, "XLA\'s resharding warnings".',
-        sum(m.resharding_warnings for m in warned),
-        len(warned),
-        names,
     )
+
+
+def _say_in_one_line(
+    measurements: Sequence[Measurement], count: Callable[[Measurement], int], message: str
+) -> None:
+    """Logs ``message`` with how many lines ``count`` gives in all, in how many layouts,
+    and their names; nothing where there are none."""
+    said = [m for m in measurements if count(m)]
+    if said:
+        total = sum(count(m) for m in said)
+        logging.getLogger("meshkit").warning(message, total, len(said), _names(said))
 
 
 LOGICAL_NAMES_MODEL_AXIS = ("mlp", "heads", "kv_heads", "vocab")

@@ -227,7 +227,8 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         axes.bar(range(len(names)), values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     capacity = reports[0].capacity_bytes / per
-    if capacity <= 3 * max(bottom):  # on the bars' scale: a line
+    on_scale = capacity <= 3 * max(bottom)
+    if on_scale:  # on the bars' scale: a line
         axes.axhline(capacity, color="black", linestyle="--", label="usable per chip")
     else:  # far above a small model's bars, which a line there would flatten
         axes.set_title(f"usable per chip: {capacity:,.0f} {unit}, off this scale", fontsize=8)
@@ -256,7 +257,7 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         )
     times.set_ylabel(f"estimated {time_unit} per step")
     # Headroom above the bars and the step times, for the "chosen" mark and the legend.
-    tallest = max([*bottom, capacity if capacity <= 3 * max(bottom) else 0.0])
+    tallest = max([*bottom, capacity if on_scale else 0.0])
     axes.set_ylim(0, (tallest or 1.0) * 1.2)
     slowest = max((r.step_seconds_range[1] / per_time for _, r in known), default=1.0)
     times.set_ylim(0, slowest * 1.6)
