@@ -396,9 +396,11 @@ def test_array_record_round_trip(tmp_path, make):
     assert_same_records(source, read)
     indices = np.array([3, 0, 3, len(source) - 1])
     batch = read.getitems(indices)
+    examples = read.examples(indices)  # a batch's records for a per-example transform
     for key, value in source.getitems(indices).items():  # type: ignore[attr-defined]
         np.testing.assert_array_equal(batch[key], value)
         assert batch[key].dtype == value.dtype
+        np.testing.assert_array_equal(np.stack([example[key] for example in examples]), value)
     np.testing.assert_array_equal(
         read[-1][next(iter(batch))], read[len(read) - 1][next(iter(batch))]
     )
@@ -484,7 +486,11 @@ def test_array_record_damaged_payload_names_the_file_and_record(tmp_path):
     path.write_bytes(bytes(data))
     read = ArrayRecordSource(path)  # the header and the index are intact
     np.testing.assert_array_equal(read[2]["x"], source.arrays["x"][2])
-    for damaged in (lambda: read[3], lambda: read.getitems([1, 3, 5])):
+    for damaged in (
+        lambda: read[3],
+        lambda: read.getitems([1, 3, 5]),
+        lambda: read.examples([5, 3]),
+    ):
         with pytest.raises(ValueError) as info:
             damaged()
         message = str(info.value)

@@ -138,6 +138,10 @@ def test_shards_read_in_the_order_of_the_unsharded_file(tmp_path):
         assert one[i]["image"] == three[i]["image"] == globbed[i]["image"]
         assert one[i]["label"] == three[i]["label"] == labels[i]
     assert "3 files" in repr(three)
+    order = [7, 0, 9, 3, 3, 5]  # across the shards, one twice: a batch's read
+    batch = three.examples(order)
+    assert [r["image"] for r in batch] == [one[i]["image"] for i in order]
+    assert [int(r["label"]) for r in batch] == [labels[i] for i in order]
 
 
 def corrupt_record_file(tmp_path: Path) -> tuple[Path, list[Path]]:
@@ -158,11 +162,12 @@ def test_an_undecodable_record_names_its_index_file_and_cause(tmp_path):
     bad_file, paths = corrupt_record_file(tmp_path)
     source = EncodedRecordSource(paths, decode=decode_image_record)
     assert [int(source[i]["label"]) for i in (0, 1, 2, 4, 5)] == [0, 1, 2, 4, 5]
-    with pytest.raises(ValueError) as info:
-        source[3]
-    message = str(info.value)
-    assert f"Record 3 ({bad_file}, its record 1) cannot be decoded" in message, message
-    assert "decode_image_record" in message and "not a msgpack image record" in message
+    for read in (lambda: source[3], lambda: source.examples([0, 5, 3, 1])):
+        with pytest.raises(ValueError) as info:
+            read()
+        message = str(info.value)
+        assert f"Record 3 ({bad_file}, its record 1) cannot be decoded" in message, message
+        assert "decode_image_record" in message and "not a msgpack image record" in message
 
 
 def test_a_damaged_file_names_the_record_or_the_file(tmp_path):
@@ -180,6 +185,8 @@ def test_a_damaged_file_names_the_record_or_the_file(tmp_path):
     assert int(source[1]["n"]) == 1
     with pytest.raises(ValueError, match=rf"Record 2 of {path} cannot be read .* damaged"):
         source[2]
+    with pytest.raises(ValueError, match=rf"Record 2 of {path} cannot be read .* damaged"):
+        source.examples([0, 1, 2, 3])  # a batch's read names the damaged record too
     path.write_bytes(bytes(data[:100]))
     with pytest.raises(ValueError, match=rf"{path} is not a readable ArrayRecord file"):
         EncodedRecordSource(path, decode=decode_image_record)
@@ -193,6 +200,18 @@ def test_labels_are_checked_as_records_are_read(tmp_path):
     assert int(source[1]["label"]) == 1
     with pytest.raises(ValueError, match=r"label 2 at record 2 is outside the classes \[0, 2\)"):
         source[2]
+    with pytest.raises(ValueError, match=r"label 2 at record 2 is outside the classes \[0, 2\)"):
+        source.examples([1, 0, 2])
+
+
+def test_a_batch_read_across_files_names_the_file_of_a_bad_label(tmp_path):
+    shards = write_image_records(
+        tmp_path / "s", random_images(6), [0, 1, 0, 1, 0, 5], format="png", num_shards=3
+    )
+    source = EncodedRecordSource(shards, decode=decode_image_record, num_classes=2)
+    assert [int(r["label"]) for r in source.examples([0, 1, 2, 3, 4])] == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match=rf"{shards[2].name} .*: label 5 at record 5 is outside"):
+        source.examples([0, 2, 5, 3])
 
 
 def test_pickled_source_reopens_its_files_and_reads_the_same(tmp_path):

@@ -408,7 +408,7 @@ class TrainPipeline(_Pipeline):
             return super().local_batch(step)
         self._check_source_length()
         size = self.shard.size
-        records, rngs = zip(*(self._read(step * size + row) for row in range(size)), strict=True)
+        records, rngs = self._read_batch(range(step * size, (step + 1) * size))
         build_batch: Callable[..., Record] = getattr(self.transform, "batch")  # noqa: B009
         try:
             batch = build_batch(records, rngs)
@@ -471,6 +471,26 @@ class TrainPipeline(_Pipeline):
         if self.transform is None:
             return record, None
         return record, np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
+
+    def _read_batch(self, positions: range) -> tuple[list[Record], list[np.random.Generator]]:
+        """The records at ``positions`` of this stream and their augmentation generators
+        (as ``_read``), the records in one read where the source reads several at once
+        (``examples``)."""
+        located = [self._locate(position) for position in positions]
+        indices = [index for _, _, index in located]
+        read_examples: Callable[[list[int]], list[Record]] | None = getattr(
+            self.source, "examples", None
+        )
+        records = (
+            read_examples(indices)
+            if read_examples is not None
+            else [self.source[index] for index in indices]
+        )
+        rngs = [
+            np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
+            for epoch, global_position, _ in located
+        ]
+        return records, rngs
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.

@@ -433,17 +433,26 @@ class ArrayRecordSource:
         )
 
     def __getitem__(self, index: int) -> Record:
-        key = self._key(index)
-        (record,) = self._read([key])
-        self._check_size(record, key)
-        out, offset = {}, 0
-        for field in self._fields:
-            count = math.prod(field.shape)
-            out[field.name] = np.frombuffer(record, field.dtype, count, offset).reshape(field.shape)
-            offset += field.nbytes
-        if self._has_label:
-            self._check_labels(out[LABEL_FIELD][None], [key])
-        return out
+        return self.examples([index])[0]
+
+    def examples(self, indices: Sequence[int] | np.ndarray) -> list[Record]:
+        """``[self[i] for i in indices]`` in one read, the labels checked together: how
+        a pipeline with a per-example transform reads a batch's records."""
+        keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
+        examples = []
+        for key, record in zip(keys, self._read(keys), strict=True):
+            self._check_size(record, key)
+            out, offset = {}, 0
+            for field in self._fields:
+                count = math.prod(field.shape)
+                out[field.name] = np.frombuffer(record, field.dtype, count, offset).reshape(
+                    field.shape
+                )
+                offset += field.nbytes
+            examples.append(out)
+        if self._has_label and examples:
+            self._check_labels(np.stack([example[LABEL_FIELD] for example in examples]), keys)
+        return examples
 
     def getitems(self, indices: Sequence[int] | np.ndarray) -> Record:
         """The examples at ``indices`` stacked into one batch per field (one batched read)."""

@@ -8,6 +8,7 @@ hands each record's bytes to ``decode``. Records may differ in length and shape.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -262,8 +263,52 @@ class EncodedRecordSource:
             ) from None
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        key = self._key(index)
-        data = self.record_bytes(key)
+        return self.examples([index])[0]
+
+    def examples(self, indices: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
+        """``[self[i] for i in indices]`` in one read of the files, the labels checked
+        together: how a pipeline with a per-example transform reads a batch's records.
+
+        Raises:
+          ValueError: a record cannot be read or decoded, or its label is out of range;
+            the message names the record.
+        """
+        keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
+        if len(keys) == 1:  # a batched read of one record starts the reader's threads
+            records = [self.record_bytes(keys[0])]
+        else:
+            try:
+                records = list(self._records.__getitems__(keys))
+            except Exception:  # the reader's checksums fail as RuntimeErrors: name the record
+                records = [self.record_bytes(key) for key in keys]
+        examples = [self._decoded(key, data) for key, data in zip(keys, records, strict=True)]
+        if examples and LABEL_FIELD in examples[0]:
+            self._check_labels([np.asarray(e[LABEL_FIELD]) for e in examples], keys)
+        return examples
+
+    def _check_labels(self, labels: list[np.ndarray], keys: list[int]) -> None:
+        """Checks records ``keys``' labels: at once where they stack, and one record at a
+        time to name the file of a bad one."""
+        stacked = np.stack(labels) if len({label.shape for label in labels}) == 1 else None
+        with contextlib.suppress(ValueError):
+            if stacked is not None:
+                self._check_label_rows(stacked, keys)
+                return
+        for label, key in zip(labels, keys, strict=True):
+            self._check_label_rows(label[None], [key])
+
+    def _check_label_rows(self, labels_N: np.ndarray, keys: list[int]) -> None:
+        check_labels(
+            labels_N,
+            where=self._where(keys[0]),
+            num_classes=self.num_classes,
+            ignore_label=self.ignore_label,
+            indices=np.asarray(keys),
+            item="record",
+        )
+
+    def _decoded(self, key: int, data: bytes) -> dict[str, Any]:
+        """``decode(data)`` for record ``key``: a dict, or an error naming the record."""
         try:
             example = self.decode(data)
         except Exception as error:  # decode is the user's: any failure names the record
@@ -277,14 +322,5 @@ class EncodedRecordSource:
             raise ValueError(
                 f"{self._locate(key)}: {_callable_name(self.decode)} returned "
                 f"{type(example).__name__}; expected a dict of field name -> array."
-            )
-        if LABEL_FIELD in example:
-            check_labels(
-                np.asarray(example[LABEL_FIELD])[None],
-                where=self._where(key),
-                num_classes=self.num_classes,
-                ignore_label=self.ignore_label,
-                indices=np.array([key]),
-                item="record",
             )
         return example
