@@ -336,7 +336,7 @@ def test_digits_resize_keeps_the_mean_brightness_of_the_interior(image_size):
 def test_digits_without_sklearn_says_what_to_install():
     """In a fresh process (nothing cached) where scikit-learn cannot be imported."""
     code = (
-        "import sys; sys.modules['sklearn.datasets'] = None\n"
+        "import sys; sys.modules['sklearn'] = None\n"
         "from meshkit.data import digits\n"
         "try:\n    digits('train')\nexcept ImportError as error:\n    print(error)\n"
     )

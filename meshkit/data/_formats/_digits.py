@@ -7,6 +7,8 @@ drawn from a seeded generator.
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -26,19 +28,32 @@ _SPLIT_SEED = 0
 @functools.cache
 def _base_digits() -> tuple[np.ndarray, np.ndarray]:
     """All 1,797 images as float32 ``[N, 8, 8]`` in [0, 1] and int32 labels (read-only)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:
-        raise ImportError(
-            "meshkit.data.digits needs scikit-learn, whose wheel ships the 8×8 digits set; "
-            "install it with `pip install scikit-learn` or `pip install meshkit[recipes]`."
-        ) from error
-    data_Nx64, labels_N = load_digits(return_X_y=True)
-    images = (np.asarray(data_Nx64, np.float64).reshape(-1, 8, 8) / 16.0).astype(np.float32)
-    labels = np.asarray(labels_N).astype(np.int32)
+    data_Nx65 = np.loadtxt(_digits_file(), delimiter=",")  # 64 pixels in 0..16, the label
+    images = (data_Nx65[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)
+    labels = data_Nx65[:, 64].astype(np.int32)
     images.flags.writeable = False
     labels.flags.writeable = False
     return images, labels
+
+
+def _digits_file() -> Path:
+    """The digits file inside scikit-learn's installed package, found without importing
+    ``sklearn.datasets`` (about 2 s of imports that ``load_digits`` would add to every
+    process reading the digits)."""
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError, AttributeError):  # a None or broken sys.modules entry
+        spec = None
+    folders = [] if spec is None else list(spec.submodule_search_locations or [])
+    for folder in folders:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    where = f" (no sklearn/datasets/data/digits.csv.gz in {folders})" if folders else ""
+    raise ImportError(
+        f"meshkit.data.digits needs scikit-learn, whose wheel ships the 8×8 digits set{where}; "
+        "install it with `pip install scikit-learn` or `pip install meshkit[recipes]`."
+    )
 
 
 @functools.cache
