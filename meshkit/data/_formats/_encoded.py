@@ -266,21 +266,17 @@ class EncodedRecordSource:
         return self.examples([index])[0]
 
     def examples(self, indices: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
-        """``[self[i] for i in indices]`` in one read of the files, the labels checked
-        together: how a pipeline with a per-example transform reads a batch's records.
+        """``[self[i] for i in indices]``, the labels checked together: how a pipeline
+        with a per-example transform reads a batch's records.
 
         Raises:
           ValueError: a record cannot be read or decoded, or its label is out of range;
             the message names the record.
         """
         keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
-        if len(keys) == 1:  # a batched read of one record starts the reader's threads
-            records = [self.record_bytes(keys[0])]
-        else:
-            try:
-                records = list(self._records.__getitems__(keys))
-            except Exception:  # the reader's checksums fail as RuntimeErrors: name the record
-                records = [self.record_bytes(key) for key in keys]
+        # One read per record: for shuffled keys the reader's batched read (a thread pool
+        # per call) costs more than it saves.
+        records = [self.record_bytes(key) for key in keys]
         examples = [self._decoded(key, data) for key, data in zip(keys, records, strict=True)]
         if examples and LABEL_FIELD in examples[0]:
             self._check_labels([np.asarray(e[LABEL_FIELD]) for e in examples], keys)
