@@ -244,7 +244,15 @@ def test_plan_ranks_fitting_layouts_and_writes_json_and_png(tmp_path) -> None:  
     assert chosen.name == result.best.layout.name
     assert chosen.axis_sizes == result.best.layout.axis_sizes
     assert chosen.rules is not None and chosen.rules.logical == result.best.layout.rules.logical  # type: ignore[union-attr]
-    assert result.plot(tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # the caller's backend (a notebook's, say) is left as it is
+    try:
+        assert result.plot(tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
     assert result.best.layout.name in result.table()
     assert result.describe_choice().startswith(f"chosen: {result.best.layout.name}")
     # a small model's figures in units that show them (they printed as 0.00 GiB, 0.000 s)

@@ -429,7 +429,15 @@ def test_a_killed_pbt_sweep_resumes_to_the_same_table(tmp_path: Path, monkeypatc
         strict=True,
     ):
         np.testing.assert_array_equal(got, want[best.slot])
-    whole.plot(tmp_path / "sweep.png")
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # the caller's backend (a notebook's, say) is left as it is
+    try:
+        whole.plot(tmp_path / "sweep.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

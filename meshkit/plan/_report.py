@@ -194,10 +194,7 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     Needs matplotlib (``pip install "meshkit[recipes]"``).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
             'plot_plan needs matplotlib: pip install "meshkit[recipes]" (or matplotlib).'
@@ -221,7 +218,10 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
             for r in reports
         ],
     }
-    figure, axes = plt.subplots(figsize=(max(6.0, 0.55 * len(names) + 2), 4.5))
+    # A Figure of its own, not pyplot's: the caller's backend and open figures stay as
+    # they are (a notebook keeps showing its plots inline).
+    figure = Figure(figsize=(max(6.0, 0.55 * len(names) + 2), 4.5))
+    axes = figure.subplots()
     bottom = [0.0] * len(names)
     for label, values in parts.items():
         axes.bar(range(len(names)), values, bottom=bottom, label=label)
@@ -268,5 +268,4 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
-    plt.close(figure)
     return path

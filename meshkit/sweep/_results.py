@@ -280,13 +280,11 @@ class SweepResult:
         The winner is drawn thick and coloured, the others thin and grey; a trial that
         copied another (population-based training) starts from its parent's point.
         """
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # not pyplot: the caller's backend stays
 
         best = self.best
-        figure, (loss_axes, score_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+        figure = Figure(figsize=(11, 4.2))
+        loss_axes, score_axes = figure.subplots(1, 2)
         for slot, points in self.curves().items():
             if points:
                 steps, values = zip(*points, strict=True)
@@ -326,7 +324,6 @@ class SweepResult:
         target.parent.mkdir(parents=True, exist_ok=True)
         with target.open("wb") as file:
             figure.savefig(file, format="png", dpi=110)
-        plt.close(figure)
 
     def hyperparameters(self, slots: Sequence[int] | None = None) -> list[Point]:
         """The point each slot holds at the end."""
