@@ -470,12 +470,16 @@ class TrainPipeline(_Pipeline):
         record = self.source[index]
         if self.transform is None:
             return record, None
-        return record, np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
+        return record, self._augmentation_rng(epoch, global_position)
+
+    def _augmentation_rng(self, epoch: int, global_position: int) -> np.random.Generator:
+        """The generator of the example at ``global_position`` of ``epoch``'s order: the
+        same for any number of processes, workers or threads."""
+        return np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
 
     def _read_batch(self, positions: range) -> tuple[list[Record], list[np.random.Generator]]:
         """The records at ``positions`` of this stream and their augmentation generators
-        (as ``_read``), the records in one read where the source reads several at once
-        (``examples``)."""
+        (as ``_read``), read and checked together where the source can (``examples``)."""
         located = [self._locate(position) for position in positions]
         indices = [index for _, _, index in located]
         read_examples: Callable[[list[int]], list[Record]] | None = getattr(
@@ -486,11 +490,7 @@ class TrainPipeline(_Pipeline):
             if read_examples is not None
             else [self.source[index] for index in indices]
         )
-        rngs = [
-            np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
-            for epoch, global_position, _ in located
-        ]
-        return records, rngs
+        return records, [self._augmentation_rng(epoch, at) for epoch, at, _ in located]
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.

@@ -436,11 +436,13 @@ class ArrayRecordSource:
         return self.examples([index])[0]
 
     def examples(self, indices: Sequence[int] | np.ndarray) -> list[Record]:
-        """``[self[i] for i in indices]`` in one read, the labels checked together: how
-        a pipeline with a per-example transform reads a batch's records."""
+        """``[self[i] for i in indices]``, the labels checked together: how a pipeline
+        with a per-example transform reads a batch's records (one read per record, as
+        ``EncodedRecordSource.examples`` does)."""
         keys = [self._key(int(index)) for index in np.asarray(indices).reshape(-1)]
         examples = []
-        for key, record in zip(keys, self._read(keys), strict=True):
+        for key in keys:
+            (record,) = self._read([key])
             self._check_size(record, key)
             out, offset = {}, 0
             for field in self._fields:
