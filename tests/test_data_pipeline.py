@@ -366,3 +366,18 @@ def test_unknown_input_keywords_and_settings_that_are_not_input_settings_are_ref
         TypeError, match=r"must be a meshkit.data.InputSettings, got \{'num_threads': 2\}"
     ):
         pipeline(source, input_settings={"num_threads": 2})
+
+
+@pytest.mark.once
+def test_a_batchs_generators_are_numpys_default_rng_bit_for_bit():
+    from meshkit.data._generators import generators
+
+    rng = np.random.default_rng(0)
+    for prefix in ([0, 1, 0], [7, 1, 3], [2**32 - 1, 1, 2**31], [2**40, 1, 0]):  # the last: numpy's
+        last = [0, 1, 127, 2**32 - 1, *rng.integers(0, 2**32, 64).tolist()]
+        for made, value in zip(generators(prefix, last), last, strict=True):
+            numpy_s = np.random.default_rng([*prefix, value])
+            assert made.bit_generator.state == numpy_s.bit_generator.state, (prefix, value)
+            assert made.random(3).tolist() == numpy_s.random(3).tolist()
+            children = [g.integers(1 << 30) for g in made.spawn(2) + made.spawn(1)]
+            assert children == [g.integers(1 << 30) for g in numpy_s.spawn(2) + numpy_s.spawn(1)]

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshkit._batch import DataShard, data_shard, pad_rows
 from meshkit._checks import check_int
+from meshkit.data._generators import generators
 from meshkit.data._input import InputSettings, checked_settings
 from meshkit.data._labels import check_labels
 from meshkit.data._resident import (
@@ -479,7 +480,8 @@ class TrainPipeline(_Pipeline):
 
     def _read_batch(self, positions: range) -> tuple[list[Record], list[np.random.Generator]]:
         """The records at ``positions`` of this stream and their augmentation generators
-        (as ``_read``), read and checked together where the source can (``examples``)."""
+        (as ``_read``, built together), read and checked together where the source can
+        (``examples``)."""
         located = [self._locate(position) for position in positions]
         indices = [index for _, _, index in located]
         read_examples: Callable[[list[int]], list[Record]] | None = getattr(
@@ -490,7 +492,11 @@ class TrainPipeline(_Pipeline):
             if read_examples is not None
             else [self.source[index] for index in indices]
         )
-        return records, [self._augmentation_rng(epoch, at) for epoch, at, _ in located]
+        epochs = {epoch for epoch, _, _ in located}
+        if len(epochs) != 1:  # a batch lies in one epoch; any other reader, one by one
+            return records, [self._augmentation_rng(epoch, at) for epoch, at, _ in located]
+        at = [global_position for _, global_position, _ in located]
+        return records, generators([self.seed, _AUGMENT, epochs.pop()], at)
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.
