@@ -52,8 +52,7 @@ def generators(prefix: Sequence[int], last: Sequence[int]) -> list[np.random.Gen
         >>> [g.integers(1 << 30) for g in a] == [g.integers(1 << 30) for g in b]
         True
     """
-    values = [*prefix, 0]
-    if len(values) != _POOL or not all(0 <= int(v) < _WORD for v in [*prefix, *last]):
+    if len(prefix) != _POOL - 1 or not all(0 <= int(v) < _WORD for v in [*prefix, *last]):
         return [np.random.default_rng([*prefix, int(v)]) for v in last]
     entropy_NxP = np.empty((len(last), _POOL), np.uint32)
     entropy_NxP[:, :-1] = np.asarray(prefix, np.uint64).astype(np.uint32)
@@ -70,12 +69,13 @@ def generators(prefix: Sequence[int], last: Sequence[int]) -> list[np.random.Gen
 
 def _pools(entropy_NxP: np.ndarray) -> np.ndarray:
     """``SeedSequence.pool`` of each row's four 32-bit entropy words."""
-    hash_const = [np.uint32(_INIT_A)]
+    hash_const = _INIT_A
 
     def hashmix(value: np.ndarray) -> np.ndarray:
-        value = value ^ hash_const[0]
-        hash_const[0] = np.uint32((int(hash_const[0]) * _MULT_A) % _WORD)
-        value = value * hash_const[0]
+        nonlocal hash_const
+        value = value ^ np.uint32(hash_const)
+        hash_const = (hash_const * _MULT_A) % _WORD
+        value = value * np.uint32(hash_const)
         return value ^ (value >> np.uint32(_XSHIFT))
 
     def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:

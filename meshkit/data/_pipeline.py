@@ -409,7 +409,7 @@ class TrainPipeline(_Pipeline):
             return super().local_batch(step)
         self._check_source_length()
         size = self.shard.size
-        records, rngs = self._read_batch(range(step * size, (step + 1) * size))
+        records, rngs = self._read_batch(step)
         build_batch: Callable[..., Record] = getattr(self.transform, "batch")  # noqa: B009
         try:
             batch = build_batch(records, rngs)
@@ -471,18 +471,19 @@ class TrainPipeline(_Pipeline):
         record = self.source[index]
         if self.transform is None:
             return record, None
-        return record, self._augmentation_rng(epoch, global_position)
+        return record, self._generators(epoch, [global_position])[0]
 
-    def _augmentation_rng(self, epoch: int, global_position: int) -> np.random.Generator:
-        """The generator of the example at ``global_position`` of ``epoch``'s order: the
-        same for any number of processes, workers or threads."""
-        return np.random.default_rng([self.seed, _AUGMENT, epoch, global_position])
+    def _generators(self, epoch: int, global_positions: list[int]) -> list[np.random.Generator]:
+        """The augmentation generators of the examples at ``global_positions`` of
+        ``epoch``'s order: the same for any number of processes, workers or threads."""
+        return generators([self.seed, _AUGMENT, epoch], global_positions)
 
-    def _read_batch(self, positions: range) -> tuple[list[Record], list[np.random.Generator]]:
-        """The records at ``positions`` of this stream and their augmentation generators
-        (as ``_read``, built together), read and checked together where the source can
+    def _read_batch(self, step: int) -> tuple[list[Record], list[np.random.Generator]]:
+        """This stream's records of ``step`` and their augmentation generators (as
+        ``_read``, built together), read and checked together where the source can
         (``examples``)."""
-        located = [self._locate(position) for position in positions]
+        size = self.shard.size
+        located = [self._locate(position) for position in range(step * size, (step + 1) * size)]
         indices = [index for _, _, index in located]
         read_examples: Callable[[list[int]], list[Record]] | None = getattr(
             self.source, "examples", None
@@ -492,11 +493,8 @@ class TrainPipeline(_Pipeline):
             if read_examples is not None
             else [self.source[index] for index in indices]
         )
-        epochs = {epoch for epoch, _, _ in located}
-        if len(epochs) != 1:  # a batch lies in one epoch; any other reader, one by one
-            return records, [self._augmentation_rng(epoch, at) for epoch, at, _ in located]
-        at = [global_position for _, global_position, _ in located]
-        return records, generators([self.seed, _AUGMENT, epochs.pop()], at)
+        epoch = located[0][0]  # a step's rows all lie in its epoch
+        return records, self._generators(epoch, [position for _, position, _ in located])
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.

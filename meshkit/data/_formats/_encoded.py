@@ -8,7 +8,6 @@ hands each record's bytes to ``decode``. Records may differ in length and shape.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import os
@@ -285,11 +284,12 @@ class EncodedRecordSource:
     def _check_labels(self, labels: list[np.ndarray], keys: list[int]) -> None:
         """Checks records ``keys``' labels: at once where they stack, and one record at a
         time to name the file of a bad one."""
-        stacked = np.stack(labels) if len({label.shape for label in labels}) == 1 else None
-        with contextlib.suppress(ValueError):
-            if stacked is not None:
-                self._check_label_rows(stacked, keys)
+        if len({label.shape for label in labels}) == 1:
+            try:
+                self._check_label_rows(np.stack(labels), keys)
                 return
+            except ValueError:
+                pass  # a bad label: found again below, with its own file
         for label, key in zip(labels, keys, strict=True):
             self._check_label_rows(label[None], [key])
 
