@@ -471,12 +471,14 @@ class TrainPipeline(_Pipeline):
         record = self.source[index]
         if self.transform is None:
             return record, None
-        return record, self._generators(epoch, [global_position])[0]
+        return record, np.random.default_rng([*self._augmentation_entropy(epoch), global_position])
 
-    def _generators(self, epoch: int, global_positions: list[int]) -> list[np.random.Generator]:
-        """The augmentation generators of the examples at ``global_positions`` of
-        ``epoch``'s order: the same for any number of processes, workers or threads."""
-        return generators([self.seed, _AUGMENT, epoch], global_positions)
+    def _augmentation_entropy(self, epoch: int) -> list[int]:
+        """The entropy of ``epoch``'s augmentation generators, less the example's global
+        position that ends it: the same for any number of processes, workers or threads.
+        (One generator is built by numpy itself; a batch's together, with ``generators``,
+        whose array operations cost about as much as numpy's hashing of 10 generators.)"""
+        return [self.seed, _AUGMENT, epoch]
 
     def _read_batch(self, step: int) -> tuple[list[Record], list[np.random.Generator]]:
         """This stream's records of ``step`` and their augmentation generators (as
@@ -494,7 +496,8 @@ class TrainPipeline(_Pipeline):
             else [self.source[index] for index in indices]
         )
         epoch = located[0][0]  # a step's rows all lie in its epoch
-        return records, self._generators(epoch, [position for _, position, _ in located])
+        positions = [position for _, position, _ in located]
+        return records, generators(self._augmentation_entropy(epoch), positions)
 
     def dataset(self, start_step: int = 0) -> grain.IterDataset:
         """This process's batches from ``start_step`` on, built ahead by threads.
