@@ -557,6 +557,46 @@ def test_a_loop_without_a_trip_count_annotation_is_counted_by_its_condition() ->
     assert unannotated.dot_flops == annotated.dot_flops > 10 * annotated.dot_flops_once
 
 
+_Q = "bf16[2,12,1024,64]"  # [batch, heads, length, head_dim], as the kernels take them
+_KERNEL = 'custom-call(%q, %q, %q), custom_call_target="tpu_custom_call"'
+FLASH_PROGRAM = f"""\
+%body (p: (s32[], {_Q})) -> (s32[], {_Q}) {{
+  %p = (s32[], {_Q}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %q = {_Q}{{3,2,1,0}} get-tuple-element(%p), index=1
+  %flash_attention.1 = ({_Q}, f32[2,12,1024,128]) {_KERNEL}
+  %flash_mha_bwd_dkv_block_q_major_128.1 = ({_Q}, {_Q}) {_KERNEL}
+  %flash_mha_bwd_dq_block_q_major_128.1 = {_Q} {_KERNEL}
+  %some_other_kernel.1 = {_Q} {_KERNEL}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], {_Q}) tuple(%next, %q)
+}}
+
+%condition (p.1: (s32[], {_Q})) -> pred[] {{
+  %p.1 = (s32[], {_Q}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %layers = s32[] constant(12)
+  ROOT %below = pred[] compare(%i.1, %layers), direction=LT
+}}
+
+ENTRY %main (x: (s32[], {_Q})) -> (s32[], {_Q}) {{
+  %x = (s32[], {_Q}) parameter(0)
+  ROOT %while.1 = (s32[], {_Q}) while(%x), condition=%condition, body=%body
+}}
+"""
+
+
+def test_flash_attention_kernels_count_as_xlas_attention_every_layer() -> None:
+    """XLA's cost analysis leaves the Pallas kernels' custom calls out; the planner counts
+    each as the products XLA's attention runs (q k^T and p v forward, four backward),
+    in a loop as often as its condition's bound says (the TPU compiler's form)."""
+    counts = _hlo.program_counts(FLASH_PROGRAM, [0])
+    product = 2 * (2 * 12 * 1024 * 64) * 1024  # one [1024, 64] x [64, 1024] per head
+    assert counts.kernel_flops == 12 * (2 + 2 + 2) * product  # not the unknown kernel
+    assert counts.dot_flops == counts.dot_flops_once == 0
+
+
 def _failing_compiles(
     monkeypatch: pytest.MonkeyPatch, error_at: Callable[[int], BaseException | None]
 ) -> list[int]:

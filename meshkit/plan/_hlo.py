@@ -165,6 +165,8 @@ class ProgramCounts:
       dot_flops: FLOPs of every ``dot`` and ``convolution``, each counted as often as it runs.
       dot_flops_once: the same with every loop body counted once, as XLA's
         ``cost_analysis()`` counts it.
+      kernel_flops: FLOPs of the attention kernels' custom calls (``ATTENTION_KERNELS``),
+        each counted as often as it runs; XLA's ``cost_analysis()`` leaves them out.
       dot_bytes: bytes the products and convolutions read and write (operands and
         results), as often as they run: the memory traffic a compiler that fuses all
         elementwise work into them cannot avoid.
@@ -173,6 +175,7 @@ class ProgramCounts:
 
     dot_flops: float
     dot_flops_once: float
+    kernel_flops: float
     dot_bytes: float
     collectives: tuple[Collective, ...]
 
@@ -285,6 +288,36 @@ def _from_the_model(instruction: Instruction) -> bool:
         return True
     operation = source.group(1).rsplit("/", 1)[-1]
     return any(kind in operation for kind in ("dot", "conv", "einsum", "matmul"))
+
+
+ATTENTION_KERNELS = {"flash_attention": 2, "flash_mha_bwd_dkv": 2, "flash_mha_bwd_dq": 2}
+"""The Pallas flash attention kernels of JAX's TPU library, by the name each gives its
+custom call, and the ``[batch, heads, length, head_dim]`` products each stands for.
+
+XLA's cost analysis cannot see into a custom call, so the planner counts these from
+their operands' shapes, as XLA's own attention would run them: the forward kernel
+``q k^T`` and ``p v``, the two backward kernels the four products of the gradient
+(``dp``, ``dq``; ``dk``, ``dv``). That is the convention of the model FLOPs and of the
+published runs the compute efficiency is calibrated on; the kernels' own recomputation
+of ``q k^T`` in the backward pass, and the blocks a causal kernel skips, are left out
+of the count like that.
+"""
+
+
+def _kernel_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """FLOPs of an attention kernel's custom call (``ATTENTION_KERNELS``), else 0."""
+    if instruction.opcode != "custom-call":
+        return 0.0
+    products = next(
+        (n for name, n in ATTENTION_KERNELS.items() if instruction.name.startswith(name)), 0
+    )
+    operands = _operands(instruction)
+    if not products or len(operands) < 2:
+        return 0.0
+    q, k = _dims(shapes.get(operands[0], "")), _dims(shapes.get(operands[1], ""))
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    return products * 2.0 * math.prod(q) * k[2]
 
 
 def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -430,7 +463,7 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
     computations, entry = _computations(hlo_text)
     runs = _run_counts(computations, entry, with_trips=True)
     runs_once = _run_counts(computations, entry, with_trips=False)
-    flops = flops_once = traffic = 0.0
+    flops = flops_once = kernels = traffic = 0.0
     collectives = []
     for name, instructions in computations.items():
         shapes = {instruction.name: instruction.shape for instruction in instructions}
@@ -439,6 +472,7 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
             for operand in _operands(instruction):
                 users.setdefault(operand, []).append(instruction)
         for instruction in instructions:
+            kernels += _kernel_flops(instruction, shapes) * runs.get(name, 0)
             if instruction.opcode in ("dot", "convolution") and _from_the_model(instruction):
                 cost = _dot_flops(instruction, shapes)
                 flops += cost * runs.get(name, 0)
@@ -467,4 +501,4 @@ def program_counts(hlo_text: str, slice_of_device: Sequence[int]) -> ProgramCoun
                         collectives.append(
                             Collective(part, part_bytes, size, across, runs[name], instruction.name)
                         )
-    return ProgramCounts(flops, flops_once, traffic, tuple(collectives))
+    return ProgramCounts(flops, flops_once, kernels, traffic, tuple(collectives))

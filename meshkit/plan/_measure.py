@@ -386,7 +386,8 @@ def _read(
         flops = raw_flops + counts.dot_flops - counts.dot_flops_once  # loop bodies, all trips
     else:  # no cost analysis (XLA:GPU without a GPU): the products, every trip
         flops = counts.dot_flops
-    scale = flops / raw_flops if raw_flops > 0 else 1.0
+    scale = flops / raw_flops if raw_flops > 0 else 1.0  # for the bytes: loops' trips
+    flops += counts.kernel_flops  # attention kernels, which XLA cannot see into
     params_bytes = shard_bytes(state.params)
     total = (
         memory.argument_size_in_bytes
