@@ -51,6 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
     },
     "every head its keys (Llama 2)": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5},
+    "heads wider than the model (Mistral NeMo)": {"head_dim": 16},  # 4 x 16 in a width of 32
 }
 TOKENS = np.random.default_rng(0).integers(0, 96, size=(2, 24)).astype(np.int32)
 
@@ -171,8 +172,10 @@ def test_a_bfloat16_checkpoint_is_read_as_it_is_or_cast(tmp_path: Path):
 @pytest.mark.once
 def test_an_export_loads_in_transformers_with_the_same_logits(tmp_path: Path):
     _, transformers = reference()
-    saved_by_transformers(tmp_path / "in", VARIANTS["llama3 rope scaling (Llama 3.1)"])
+    fields = {**VARIANTS["llama3 rope scaling (Llama 3.1)"], "head_dim": 16}  # 4 x 16 > 32
+    saved_by_transformers(tmp_path / "in", fields)
     model = llama_from_hf(tmp_path / "in")
+    assert model.head_dim == 16
     params = load_hf_params(tmp_path / "in", initial_params(model))
     params = jax.tree.map(lambda x: x * 1.01, params)  # not the weights transformers wrote
     written = save_hf_params(params, model, tmp_path / "out", max_shard_bytes=20_000)
@@ -278,7 +281,7 @@ BASE = {
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"head_dim": 16}, "head_dim=16"),
+        ({"head_dim": 0}, "head_dim=0"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters of type"),
     ],

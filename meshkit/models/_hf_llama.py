@@ -138,11 +138,8 @@ def transformer_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     width, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * heads != width:
-        raise ValueError(
-            f"config.json: head_dim={head_dim} is not hidden_size / num_attention_heads = "
-            f"{width} / {heads}: meshkit's attention heads split the model width."
-        )
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(f"config.json: head_dim={head_dim!r} is not a positive integer.")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
         raise ValueError(f"config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}.")
@@ -164,6 +161,8 @@ def transformer_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         "rope_scaling": scaling,
         "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
         "param_dtype": DTYPES[dtype],
+        # heads narrower or wider than the model (Mistral NeMo); None where they split it
+        "head_dim": head_dim if head_dim is not None and head_dim * heads != width else None,
     }
 
 
@@ -438,7 +437,7 @@ def _hf_config(model: Transformer, dtype: Any) -> dict[str, Any]:
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_kv_heads or model.num_heads,
-        "head_dim": model.embed_dim // model.num_heads,
+        "head_dim": model.head_dim or model.embed_dim // model.num_heads,
         "max_position_embeddings": model.max_length,
         "rms_norm_eps": 1e-5 if model.norm_epsilon is None else model.norm_epsilon,
         "rope_theta": model.rope_base,

@@ -220,7 +220,8 @@ class CausalSelfAttention(nn.Module):
     the queries and keys are rotated by their position (``rotary_embedding``). Without
     ``use_bias`` no projection has a bias; with it, the key projection still has none:
     it would add the same amount to every logit of a query, which the softmax cancels,
-    so its gradient is zero.
+    so its gradient is zero. Each head is ``head_dim`` wide (``None``: the model width
+    over ``num_heads``).
     """
 
     num_heads: int
@@ -232,11 +233,12 @@ class CausalSelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
     rope_scaling: RopeScaling | None = None
     decode: bool = False
+    head_dim: int | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, *, train: bool = False) -> jax.Array:
         width = x_BxLxD.shape[-1]
-        head_dim = width // self.num_heads
+        head_dim = self.head_dim or width // self.num_heads
         kv_heads = self.num_kv_heads or self.num_heads
         grouped = kv_heads != self.num_heads
         heads = ("batch", "length", "heads", "kv")
@@ -376,6 +378,7 @@ class Block(nn.Module):
     rope_scaling: RopeScaling | None = None
     norm_epsilon: float | None = None
     decode: bool = False
+    head_dim: int | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
@@ -390,6 +393,7 @@ class Block(nn.Module):
             self.param_dtype,
             self.rope_scaling,
             self.decode,
+            self.head_dim,
             name="attention",
         )
         epsilon = self.norm_epsilon
@@ -438,7 +442,7 @@ class Transformer(nn.Module):
     Attributes:
       vocab_size: token ids lie in ``[0, vocab_size)``; 256 for bytes.
       num_layers: Transformer blocks.
-      num_heads: attention heads; must divide ``embed_dim``.
+      num_heads: attention heads; must divide ``embed_dim`` unless ``head_dim`` is set.
       embed_dim: the model width.
       mlp_dim: the hidden width of each MLP.
       max_length: the longest input; learned position codes have this many rows.
@@ -478,6 +482,9 @@ class Transformer(nn.Module):
       decode: keep every layer's keys and values in a ``"cache"`` collection and take
         the tokens that follow the cached ones (``greedy_generate``); ``init`` with the
         longest sequence to decode makes the cache. Needs ``positions="rope"``.
+      head_dim: the width of each query, key and value head; ``None``: ``embed_dim //
+        num_heads``. Set where the heads together are narrower or wider than the model
+        (Mistral NeMo's 32 heads of 128 in a width of 5120, MaxText's scaled models).
 
     ``llama(...)`` builds the LLaMA family's architecture (RoPE, RMSNorm, SwiGLU,
     grouped-query attention, no biases) at the published sizes.
@@ -523,14 +530,18 @@ class Transformer(nn.Module):
     rope_scaling: RopeScaling | None = None
     norm_epsilon: float | None = None
     decode: bool = False
+    head_dim: int | None = None
 
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
         check_implementation(self.attention, where="Transformer")
-        if self.embed_dim % self.num_heads:
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"Transformer head_dim must be positive or None; got {self.head_dim}.")
+        if self.head_dim is None and self.embed_dim % self.num_heads:
             raise ValueError(
                 f"Transformer embed_dim={self.embed_dim} is not divisible by "
-                f"num_heads={self.num_heads}; pick num_heads among the divisors of embed_dim."
+                f"num_heads={self.num_heads}; pick num_heads among the divisors of embed_dim, "
+                "or set head_dim."
             )
         if self.decode and self.positions != "rope":
             raise ValueError(
@@ -622,6 +633,7 @@ class Transformer(nn.Module):
             "rope_scaling": self.rope_scaling if self.positions == "rope" else None,
             "norm_epsilon": self.norm_epsilon,
             "decode": self.decode,
+            "head_dim": self.head_dim,
         }
         if self.scan_layers:
             layers = block(**shape, name="layers")

@@ -125,8 +125,9 @@ def transformer_workload(
 def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> float:
     """The model FLOPs of one training step of a ``Transformer``: per token, six per
     parameter a token is multiplied by (forward 2, backward 4) and twelve per layer,
-    position attended and query width for attention's two products (PaLM's count,
-    appendix B, no causal halving); kernels and recomputation change none of it.
+    position attended and query width (heads x head width: the model width unless
+    ``head_dim`` says otherwise) for attention's two products (PaLM's count, appendix B,
+    no causal halving); kernels and recomputation change none of it.
 
     The parameters counted are every one but the input embedding's where a separate
     output matrix computes the logits (a lookup multiplies nothing) and learned
@@ -142,6 +143,12 @@ def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> flo
         >>> attention = 12 * 2 * 32 * 64  # layers, positions, width
         >>> transformer_model_flops(llama, batch_size=8, length=32) == 8 * 32 * (6 * n + attention)
         True
+        >>> wide = llama.clone(head_dim=32)  # 4 heads of 32 in a width of 64: queries 128 wide
+        >>> layer = 4 * 64 * 128 + 3 * 64 * 256 + 2 * 64
+        >>> n = 2 * layer + 64 * 256 + 64
+        >>> transformer_model_flops(wide, batch_size=8, length=32) == 8 * 32 * (
+        ...     6 * n + 12 * 2 * 32 * 128)
+        True
     """
     boxed = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, length), jnp.int32))
     params = flax.linen.unbox(boxed)["params"]
@@ -152,7 +159,8 @@ def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> flo
         if name not in skipped
         for leaf in jax.tree.leaves(tree)
     )
-    per_token = 6 * counted + 12 * module.num_layers * length * module.embed_dim
+    query_width = module.num_heads * (module.head_dim or module.embed_dim // module.num_heads)
+    per_token = 6 * counted + 12 * module.num_layers * length * query_width
     return float(batch_size * length * per_token)
 
 
