@@ -22,6 +22,7 @@ GPT_VOCAB = 50304
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt-125m": {"num_layers": 12, "embed_dim": 768, "num_heads": 12, "mlp_dim": 3072},
+    "gpt-760m": {"num_layers": 24, "embed_dim": 1536, "num_heads": 12, "mlp_dim": 6144},
     "gpt-1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192},
     "gpt-7b": {"num_layers": 32, "embed_dim": 4096, "num_heads": 32, "mlp_dim": 16384},
     **{f"llama-{size}": llama_architecture(size) for size in ("1b", "7b", "8b")},
