@@ -100,6 +100,24 @@ def test_the_pallas_flash_kernel_compiles_for_a_tpu_and_stores_no_attention_matr
         assert flops["pallas"][layout] == pytest.approx(flops["xla"][layout], rel=0.01)
 
 
+def test_maxtext_16b_planned_at_its_published_setup_reaches_its_published_mfu(tmp_path):
+    """MaxText's 16B on one v5e-256 as its v5e table ran it (docs/planning.md), from its
+    architecture as a Llama config, through the TPU compiler."""
+    from benchmarks.plan_recipe import MAXTEXT_16B_ARGV, MAXTEXT_16B_CONFIG, MAXTEXT_16B_MFU
+    from meshkit.plan import plan_in_subprocess
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MAXTEXT_16B_CONFIG))
+    argv = [*MAXTEXT_16B_ARGV, "--hf-config", str(config)]
+    layout = plan_in_subprocess(argv, timeout=900)["layouts"][0]
+    assert layout["fits"] and layout["compiler"] == "XLA:TPU (v5e:16x16)"
+    assert layout["num_params"] == 12_070_557_696  # heads of 128 in a width of 6144
+    # the planned step against the measured one is the published MFU over the planned
+    assert MAXTEXT_16B_MFU / layout["estimated_mfu"] == pytest.approx(1, abs=0.25)
+    # every layer recomputed: the forward pass again, flash kernels included
+    assert layout["estimated_hfu"] / layout["estimated_mfu"] == pytest.approx(4 / 3, rel=0.1)
+
+
 def test_per_layer_activations_match_the_count_on_the_tpu_compiler():
     """One more GPT layer (s=2048, h=1024, a=8, one sequence per chip, bf16), bare and in
     the train step, against the count of Korthikanti et al. 2022 without dropout, each
