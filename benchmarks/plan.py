@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import save
+from benchmarks.quoted import markdown_table
 
 PLANS = {
     "gpt-1.3b on 64 x h100 (8 nodes)": [
@@ -111,7 +112,32 @@ def main() -> None:
     scan, unrolled = (statistics.median(compile_seconds[m]) for m in ("scan", "unrolled"))
     print(f"\n1.3B, one layout: scanned {scan:.1f} s, unrolled {unrolled:.1f} s to compile")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss} KiB")
-    save("plan", results)
+    save("plan", results, tables)
+
+
+def tables(run: dict[str, Any]) -> dict[str, str]:
+    """``plans``: each plan's layouts, seconds, median compile and peak RSS; ``scan``:
+    one layout's compile seconds, scanned against unrolled."""
+    rows = [
+        [
+            name,
+            str(row["candidates"]),
+            f"{row['seconds']:.0f}",
+            f"{row['median_compile_seconds']:.1f}",
+            f"{row['peak_rss_gib']:.2f} GiB",
+        ]
+        for name, row in run["plans"].items()
+    ]
+    header = ["plan", "layouts", "seconds", "seconds per layout (median compile)", "peak RSS"]
+    compile_seconds = run["compile_seconds_scan_vs_unrolled"]
+    scan, unrolled = (statistics.median(compile_seconds[m]) for m in ("scan", "unrolled"))
+    return {
+        "plans": markdown_table(header, rows, "lrrrr"),
+        "scan": (
+            f"**{scan:.1f} s scanned, {unrolled:.1f} s unrolled** ({unrolled / scan:.1f}x; "
+            f"interleaved, {len(compile_seconds['scan'])} rounds, median)"
+        ),
+    }
 
 
 if __name__ == "__main__":
