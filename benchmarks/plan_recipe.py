@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,29 +37,61 @@ from typing import Any
 
 from benchmarks._harness import save
 from benchmarks.quoted import markdown_table
-
-MPT_1B_TOKENS_PER_SECOND_PER_GPU = 44_402
-"""LLM Foundry's H100 BF16 table, MPT-1B, sequence 2048, 64 GPUs (docs/planning.md)."""
-
-MPT_1B_ARGV = [
-    "--model", "gpt-1.3b", "--accelerator", "h100", "--devices", "64", "--slices", "8",
-    "--batch-size", "256", "--length", "2048", "--tensor", "1", "--fsdp", "8",
-    "--remat", "none", "--precision", "bf16", "--quiet",
-]  # fmt: skip
-"""The MPT-1B setup as a plan: data=8 (across nodes) x fsdp=8 (within one)."""
-
-MPT_760M_TOKENS_PER_SECOND_PER_GPU = 68_551
-"""The same table, MPT-760M, sequence 2048, 16 GPUs (2 nodes), 384 sequences a step."""
-
-MPT_760M_ARGV = [
-    "--model", "gpt-760m", "--accelerator", "h100", "--devices", "16", "--slices", "2",
-    "--batch-size", "384", "--length", "2048", "--tensor", "1", "--fsdp", "8",
-    "--remat", "none", "--precision", "bf16", "--quiet",
-]  # fmt: skip
-"""The MPT-760M setup as a plan, laid out as MPT-1B's: data=2 (across nodes) x fsdp=8."""
+from meshkit.plan._efficiency import PUBLISHED_RUNS
 
 
-MAXTEXT_16B_MFU = 0.6110
+@dataclasses.dataclass(frozen=True)
+class MptRun:
+    """A row of LLM Foundry's H100 BF16 table at sequence 2048 without activation
+    checkpointing (docs/planning.md), planned as a GPT of its shape laid out with FSDP
+    over the 8 GPUs of a node and data parallelism across nodes.
+
+    Attributes:
+      key: the run's name in the results and the quoted table's.
+      name: the run as the table names it.
+      model: ``--model`` of the GPT of its shape.
+      gpus: H100s, 8 to a node.
+      sequences: sequences of 2048 tokens a step.
+      tokens_per_second_per_gpu: its measured throughput.
+    """
+
+    key: str
+    name: str
+    model: str
+    gpus: int
+    sequences: int
+    tokens_per_second_per_gpu: int
+
+    @property
+    def argv(self) -> list[str]:
+        """Its setup for ``python -m meshkit.plan`` (without ``--compiler``)."""
+        return [
+            "--model", self.model, "--accelerator", "h100", "--devices", str(self.gpus),
+            "--slices", str(self.gpus // 8), "--batch-size", str(self.sequences),
+            "--length", "2048", "--tensor", "1", "--fsdp", "8", "--remat", "none",
+            "--precision", "bf16", "--quiet",
+        ]  # fmt: skip
+
+    @property
+    def mfu(self) -> float:
+        """Its published model FLOPs utilisation, as the planner's calibration holds it."""
+        label = f"{self.name}, {self.gpus} x H100"
+        return next(run.mfu for run in PUBLISHED_RUNS if run.name == label)
+
+    @property
+    def measured_seconds(self) -> float:
+        """The step its throughput means for ``sequences`` x 2048 tokens."""
+        return self.sequences * 2048 / self.gpus / self.tokens_per_second_per_gpu
+
+
+MPT_RUNS = (
+    MptRun("mpt_1b", "MPT-1B", "gpt-1.3b", 64, 256, 44_402),
+    MptRun("mpt_760m", "MPT-760M", "gpt-760m", 16, 384, 68_551),
+)
+"""MPT-1B on 64 GPUs (data=8 x fsdp=8) and MPT-760M on 16 (data=2 x fsdp=8)."""
+
+
+MAXTEXT_16B_MFU = next(run.mfu for run in PUBLISHED_RUNS if run.name == "MaxText 16B, 256 x v5e")
 """MaxText's v5e table, 16B on 1x v5e-256: 120 TFLOP/s per chip, 61.10% MFU."""
 
 MAXTEXT_16B_CONFIG = {
@@ -128,21 +161,14 @@ def main() -> None:
     planners = [(sys.executable, "cpu")]
     if os.environ.get("GPU_PLAN_PYTHON"):
         planners.append((os.environ["GPU_PLAN_PYTHON"], "gpu"))
-    mpt = [
-        plan_published_run(python, [*MPT_1B_ARGV, "--compiler", compiler], "MPT-1B")
-        for python, compiler in planners
-    ]
-    mpt_760m = [
-        plan_published_run(python, [*MPT_760M_ARGV, "--compiler", compiler], "MPT-760M")
-        for python, compiler in planners
-    ]
-    results = {
-        "recipe": run_recipe(),
-        "mpt_1b": mpt,
-        "mpt_1b_measured_seconds": 256 * 2048 / 64 / MPT_1B_TOKENS_PER_SECOND_PER_GPU,
-        "mpt_760m": mpt_760m,
-        "mpt_760m_measured_seconds": 384 * 2048 / 16 / MPT_760M_TOKENS_PER_SECOND_PER_GPU,
-    }
+    results: dict[str, Any] = {}
+    for run in MPT_RUNS:
+        results[run.key] = [
+            plan_published_run(python, [*run.argv, "--compiler", compiler], run.name)
+            for python, compiler in planners
+        ]
+        results[f"{run.key}_measured_seconds"] = run.measured_seconds
+    results["recipe"] = run_recipe()
     if os.environ.get("TPU_PLAN_PYTHON"):
         tpu = os.environ["TPU_PLAN_PYTHON"]
         results["recipe_tpu"] = run_recipe(tpu, "--targets", "v5e-256", "--quiet")
@@ -164,17 +190,13 @@ def _recipe_table(recipe: dict[str, Any], command: str) -> str:
 
 def tables(run: dict[str, Any]) -> dict[str, str]:
     """``recipe``: the recipe's output and its wall time; ``recipe_tpu`` the same for the
-    v5e through the TPU compiler, where it ran; ``mpt_1b``: the plan of MPT-1B's setup
-    against its measured step."""
-    recipe_table = _recipe_table(run["recipe"], "python -m recipes.plan")
-    measured = run["mpt_1b_measured_seconds"]
-    found = {
-        "recipe": recipe_table,
-        "mpt_1b": _published_table(run["mpt_1b"], lambda _: measured, "GPU", "40.85%"),
-    }
-    if "mpt_760m" in run:
-        step = run["mpt_760m_measured_seconds"]
-        found["mpt_760m"] = _published_table(run["mpt_760m"], lambda _: step, "GPU", "37.89%")
+    v5e through the TPU compiler, where it ran; each of ``MPT_RUNS`` and
+    ``maxtext_16b``: the plans of a published run's setup against its measured step."""
+    found = {"recipe": _recipe_table(run["recipe"], "python -m recipes.plan")}
+    for mpt in MPT_RUNS:
+        if mpt.key in run:
+            step = run[f"{mpt.key}_measured_seconds"]
+            found[mpt.key] = _published_table(run[mpt.key], lambda _, s=step: s, "GPU", mpt.mfu)
     if "recipe_tpu" in run:
         command = "python -m recipes.plan --targets v5e-256  # with libtpu installed"
         found["recipe_tpu"] = _recipe_table(run["recipe_tpu"], command)
@@ -185,13 +207,13 @@ def tables(run: dict[str, Any]) -> dict[str, str]:
                 layout["estimated_step_seconds"] * layout["estimated_mfu"] / MAXTEXT_16B_MFU
             ),
             "chip",
-            f"{MAXTEXT_16B_MFU:.2%}",
+            MAXTEXT_16B_MFU,
         )
     return found
 
 
 def _published_table(
-    layouts: list[dict[str, Any]], measured: Any, device: str, published_mfu: str
+    layouts: list[dict[str, Any]], measured: Any, device: str, published_mfu: float
 ) -> str:
     """Plans of a published run's setup against the step it measured (``measured(layout)``)."""
     rows = []
@@ -215,7 +237,7 @@ def _published_table(
         )
     header = ["layout", "figures from", f"TFLOP per {device}", f"collectives GiB per {device}"]
     header += ["compute s", "collectives s", "planned step (range)", "measured step"]
-    header += ["planned / measured", f"planned MFU (measured {published_mfu})"]
+    header += ["planned / measured", f"planned MFU (measured {published_mfu:.2%})"]
     return markdown_table(header, rows, "ll" + "r" * 8)
 
 
