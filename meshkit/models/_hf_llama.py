@@ -437,7 +437,7 @@ def _hf_config(model: Transformer, dtype: Any) -> dict[str, Any]:
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_kv_heads or model.num_heads,
-        "head_dim": model.head_dim or model.embed_dim // model.num_heads,
+        "head_dim": model.head_width,
         "max_position_embeddings": model.max_length,
         "rms_norm_eps": 1e-5 if model.norm_epsilon is None else model.norm_epsilon,
         "rope_theta": model.rope_base,

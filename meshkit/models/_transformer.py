@@ -532,6 +532,12 @@ class Transformer(nn.Module):
     decode: bool = False
     head_dim: int | None = None
 
+    @property
+    def head_width(self) -> int:
+        """Each query, key and value head's width: ``head_dim``, or ``embed_dim //
+        num_heads`` where it is ``None``."""
+        return self.head_dim or self.embed_dim // self.num_heads
+
     def _check(self, tokens_BxL: jax.Array) -> None:
         remat_policy(self.remat)
         check_implementation(self.attention, where="Transformer")

@@ -159,7 +159,7 @@ def transformer_model_flops(module: Any, *, batch_size: int, length: int) -> flo
         if name not in skipped
         for leaf in jax.tree.leaves(tree)
     )
-    query_width = module.num_heads * (module.head_dim or module.embed_dim // module.num_heads)
+    query_width = module.num_heads * module.head_width
     per_token = 6 * counted + 12 * module.num_layers * length * query_width
     return float(batch_size * length * per_token)
 
