@@ -65,24 +65,44 @@ def test_with_the_plugin_installed_a_recipe_starts_on_the_cpu_without_its_traceb
     assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 2
 
 
+def tied_table_payloads(tmp_path: Path, vocab: int, fsdp: int) -> dict[str, float]:
+    """Bytes by collective kind of gpt-125m's step on 8 compile-only H100s, with ``vocab``
+    rows in its tied table and the batch over ``data=8/fsdp`` and ``fsdp``."""
+    out = tmp_path / f"{vocab}-{fsdp}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "meshkit.plan", "--compiler", "gpu", "--accelerator", "h100",
+         "--devices", "8", "--model", "gpt-125m", "--length", "128", "--batch-size", "8",
+         "--tensor", "1", "--fsdp", str(fsdp), "--remat", "none", "--vocab", str(vocab),
+         "--json", str(out), "--quiet"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())["layouts"][0]["collective_payload_bytes_by_kind"]
+
+
+ROWS_BF16 = 1024 * 768 * 2  # 1,024 more rows of a tied table of width 768, in bf16
+
+
+def grown(tmp_path: Path, fsdp: int) -> dict[str, float]:
+    """What 1,024 more table rows add to each kind of collective."""
+    small, large = (tied_table_payloads(tmp_path, vocab, fsdp) for vocab in (8192, 9216))
+    return {kind: large.get(kind, 0.0) - small.get(kind, 0.0) for kind in {*small, *large}}
+
+
 def test_xla_gpu_gathers_a_tied_embedding_in_the_compute_dtype(tmp_path: Path) -> None:
-    # 1,024 more rows of a tied table of width 768: 1.5 MiB more per gather in bf16. This
-    # small program gathers the table once a step and keeps it for the backward pass.
+    # This small program gathers the table once a step and keeps it for the backward pass.
     # Before the table was pinned to its shards ahead of its gather, the partitioner
     # gathered the float32 parameter before its cast: twice the bytes (the test fails so).
-    def all_gather_bytes(vocab: int) -> float:
-        out = tmp_path / f"{vocab}.json"
-        done = subprocess.run(
-            [sys.executable, "-m", "meshkit.plan", "--compiler", "gpu", "--accelerator", "h100",
-             "--devices", "8", "--model", "gpt-125m", "--length", "128", "--batch-size", "8",
-             "--tensor", "1", "--fsdp", "8", "--remat", "none", "--vocab", str(vocab),
-             "--json", str(out), "--quiet"],
-            cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        layout = json.loads(out.read_text())["layouts"][0]
-        return layout["collective_payload_bytes_by_kind"]["all-gather"]
+    assert grown(tmp_path, fsdp=8)["all-gather"] == pytest.approx(ROWS_BF16, rel=0.01)
 
-    table_rows_bf16 = 1024 * 768 * 2
-    grown = all_gather_bytes(8192 + 1024) - all_gather_bytes(8192)
-    assert grown == pytest.approx(table_rows_bf16, rel=0.01), grown / table_rows_bf16
+
+def test_xla_gpu_reduces_a_tied_embeddings_gradient_once_under_data_and_fsdp(tmp_path):
+    # data=2,fsdp=4: the rows' gradient is reduce-scattered once over all 8 devices and its
+    # eighths gathered over data into the FSDP shards (a quarter of the rows, the size a
+    # gather's payload counts), the bytes of FSDP's reduce-scatter and data parallelism's
+    # all-reduce of a shard. Summed straight into the FSDP shards, XLA all-reduced the
+    # whole table over the 8 devices (the test fails so).
+    more = grown(tmp_path, fsdp=4)
+    assert more["reduce-scatter"] == pytest.approx(ROWS_BF16, rel=0.01)
+    assert more.get("all-reduce", 0.0) < 0.01 * ROWS_BF16
+    assert more["all-gather"] == pytest.approx(ROWS_BF16 + ROWS_BF16 / 4, rel=0.01)

@@ -423,7 +423,36 @@ def _whole_width_forward(table_VxD: jax.Array) -> tuple[jax.Array, None]:
 
 
 def _whole_width_backward(_: None, grad_VxD: jax.Array) -> tuple[jax.Array]:
-    return (nn.with_logical_constraint(grad_VxD, ("vocab", "embed")),)
+    return (nn.with_logical_constraint(_reduced_into_shards(grad_VxD), ("vocab", "embed")),)
+
+
+def _reduced_into_shards(grad_VxD: jax.Array) -> jax.Array:
+    """The table's gradient summed over the batch into columns split over every batch axis.
+
+    Each device holds a partial gradient of the whole table (its share of the batch's
+    lookup and logits). Where the batch is split over mesh axes besides the table's FSDP
+    shards (``data`` beside ``fsdp``), summing it straight into those shards all-reduces
+    the whole table over the other axes; XLA does not split that reduction itself. Summed
+    into columns split over every batch axis instead, it is one reduce-scatter, and
+    gathering the columns over the other axes gives the FSDP shards: the bytes of
+    FSDP's own reduce-scatter and data-parallel all-reduce of a shard."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shard_axes = _mesh_axes("embed")
+    other_axes = tuple(axis for axis in _mesh_axes("batch") if axis not in shard_axes)
+    if mesh.empty or not shard_axes or not other_axes or _mesh_axes("vocab"):
+        return grad_VxD
+    column_axes = (*shard_axes, *other_axes)  # each FSDP shard's columns split further
+    if grad_VxD.shape[1] % math.prod(mesh.shape[axis] for axis in column_axes):
+        return grad_VxD
+    rules = (*nn.get_logical_axis_rules(), ("_gradient_columns", column_axes))
+    return nn.with_logical_constraint(grad_VxD, (None, "_gradient_columns"), rules=rules)
+
+
+def _mesh_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes a logical axis name resolves to under the rules in force."""
+    axes = nn.logical_to_mesh_axes((name,))
+    entry = axes[0] if axes else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 _whole_width.defvjp(_whole_width_forward, _whole_width_backward)
