@@ -90,25 +90,31 @@ def test_the_text_splits_are_disjoint_windows_of_the_reference_text():
     assert data.decode_bytes(first[:3]) == "The"
 
 
-def train_losses(mesh_axes: str, steps: int = 3) -> dict:
-    """A small Transformer trained ``steps`` steps on the text with the recipe's table."""
+def train_losses(
+    mesh_axes: str,
+    steps: int = 3,
+    rules: meshkit.PartitionRules = transformer_lm.RULES,
+    data_axes: tuple[str, ...] = ("data",),
+) -> dict:
+    """A small Transformer trained ``steps`` steps on the text, laid out by ``rules`` (the
+    recipe's table) with its batch over ``data_axes``."""
     mesh = meshkit.make_mesh(mesh_axes)
-    sharding = meshkit.batch_sharding(mesh)
+    sharding = meshkit.batch_sharding(mesh, data_axes)
     module = small(num_layers=1)
-    state = transformer_lm.create_state(module, optax.adamw(3e-3), mesh)
+    state = transformer_lm.create_state(module, optax.adamw(3e-3), mesh, rules=rules)
     step = train.make_train_step(
         transformer_lm.next_token_loss, train.state_shardings_of(state), sharding
     )
     source = data.reference_text("train", length=LENGTH)
     pipeline = data.TrainPipeline(source, global_batch_size=16, sharding=sharding, seed=0)
-    losses, constraints = [], 0
+    losses, constraints, reduce_scatters = [], 0, 0
     with data.GlobalBatchIterator(pipeline) as batches:
         for _ in range(steps):
             batch = next(batches)
             if not losses:  # the model's activation names became sharding constraints
-                constraints = (
-                    cast(Any, step).lower(state, batch).as_text().count("sharding_constraint")
-                )
+                program = cast(Any, step).lower(state, batch).as_text()
+                constraints = program.count("sharding_constraint")
+                reduce_scatters = program.count("reduce_scatter")
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))  # one step at a time on fake devices
     kernel = state.params["block_0"]["mlp"]["up"]["kernel"]
@@ -117,6 +123,7 @@ def train_losses(mesh_axes: str, steps: int = 3) -> dict:
         "params": meshkit.to_host(state.params),
         "spec": tuple(kernel.sharding.spec),
         "constraints": constraints,
+        "reduce_scatters": reduce_scatters,
     }
 
 
@@ -130,6 +137,31 @@ def test_data_and_tensor_parallel_layouts_train_alike():
     reference = runs["data=8,model=1"]
     assert reference["losses"][-1] < reference["losses"][0]
     for axes, run in runs.items():
+        np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5, err_msg=axes)
+        for a, b in zip(
+            jax.tree.leaves(run["params"]), jax.tree.leaves(reference["params"]), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=axes)
+
+
+FSDP_AND_DATA = meshkit.PartitionRules(
+    logical={"batch": ("data", "fsdp"), "embed": "fsdp", "vocab": None, "mlp": None,
+             "heads": None, "kv": None, "length": None}
+)  # fmt: skip
+BOTH = ("data", "fsdp")
+
+
+@pytest.mark.devices(8)
+def test_a_tied_table_under_fsdp_and_data_trains_as_replicated():
+    # The tied table's gradient is summed on each device from its lookup and its logits,
+    # then reduce-scattered over fsdp and all-reduced over data (models/_tied.py): the
+    # same steps, in float32, as the recipe's data parallel layout, where the
+    # partitioner reduces it (the vocabulary rule names a mesh axis).
+    reference = train_losses("data=8,model=1")
+    assert reference["reduce_scatters"] == 0
+    for axes in ("data=2,fsdp=4", "data=1,fsdp=8"):
+        run = train_losses(axes, rules=FSDP_AND_DATA, data_axes=BOTH)
+        assert run["reduce_scatters"] == 1, axes  # the table's, written by the model
         np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5, err_msg=axes)
         for a, b in zip(
             jax.tree.leaves(run["params"]), jax.tree.leaves(reference["params"]), strict=True

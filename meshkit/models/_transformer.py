@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 
+from meshkit.models import _tied as tied
 from meshkit.models._attention import (
     AttentionImplementation,
     check_implementation,
@@ -406,58 +407,6 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
 
 
-@jax.custom_vjp
-def _whole_width(table_VxD: jax.Array) -> jax.Array:
-    """The embedding table gathered along the model width (its FSDP shards), its
-    gradient scattered back to them: an all-gather forward, a reduce-scatter backward
-    (a plain sharding constraint would all-reduce the whole gradient). The table is
-    pinned to its shards first, so that the gather moves it in the dtype it arrives in
-    (the compute dtype): without the pin the partitioner gathers the float32 parameter
-    before its cast, twice the bytes."""
-    sharded_VxD = nn.with_logical_constraint(table_VxD, ("vocab", "embed"))
-    return nn.with_logical_constraint(sharded_VxD, ("vocab", None))
-
-
-def _whole_width_forward(table_VxD: jax.Array) -> tuple[jax.Array, None]:
-    return _whole_width(table_VxD), None
-
-
-def _whole_width_backward(_: None, grad_VxD: jax.Array) -> tuple[jax.Array]:
-    return (nn.with_logical_constraint(_reduced_into_shards(grad_VxD), ("vocab", "embed")),)
-
-
-def _reduced_into_shards(grad_VxD: jax.Array) -> jax.Array:
-    """The table's gradient summed over the batch into columns split over every batch axis.
-
-    Each device holds a partial gradient of the whole table (its share of the batch's
-    lookup and logits). Where the batch is split over mesh axes besides the table's FSDP
-    shards (``data`` beside ``fsdp``), summing it straight into those shards all-reduces
-    the whole table over the other axes; XLA does not split that reduction itself. Summed
-    into columns split over every batch axis instead, it is one reduce-scatter, and
-    gathering the columns over the other axes gives the FSDP shards: the bytes of
-    FSDP's own reduce-scatter and data-parallel all-reduce of a shard."""
-    mesh = jax.sharding.get_abstract_mesh()
-    shard_axes = _mesh_axes("embed")
-    other_axes = tuple(axis for axis in _mesh_axes("batch") if axis not in shard_axes)
-    if mesh.empty or not shard_axes or not other_axes or _mesh_axes("vocab"):
-        return grad_VxD
-    column_axes = (*shard_axes, *other_axes)  # each FSDP shard's columns split further
-    if grad_VxD.shape[1] % math.prod(mesh.shape[axis] for axis in column_axes):
-        return grad_VxD
-    rules = (*nn.get_logical_axis_rules(), ("_gradient_columns", column_axes))
-    return nn.with_logical_constraint(grad_VxD, (None, "_gradient_columns"), rules=rules)
-
-
-def _mesh_axes(name: str) -> tuple[str, ...]:
-    """The mesh axes a logical axis name resolves to under the rules in force."""
-    axes = nn.logical_to_mesh_axes((name,))
-    entry = axes[0] if axes else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-_whole_width.defvjp(_whole_width_forward, _whole_width_backward)
-
-
 class Transformer(nn.Module):
     """A decoder-only (GPT-style) Transformer: token ids ``[B, L]`` to logits ``[B, L, V]``.
 
@@ -635,8 +584,12 @@ class Transformer(nn.Module):
         # under FSDP its shards are gathered once a step and its gradient
         # reduce-scattered once, where the lookup and the logits' product would each move
         # their own.
-        table_VxD = _whole_width(embed.embedding) if self.tie_embeddings else embed.embedding
-        x_BxLxD = jnp.take(table_VxD, jnp.clip(tokens_BxL, 0, self.vocab_size - 1), axis=0)
+        table_VxD = tied.whole_width(embed.embedding) if self.tie_embeddings else embed.embedding
+        ids_BxL = jnp.clip(tokens_BxL, 0, self.vocab_size - 1)
+        if self.tie_embeddings:
+            x_BxLxD = tied.lookup(table_VxD, ids_BxL)
+        else:
+            x_BxLxD = jnp.take(table_VxD, ids_BxL, axis=0)
         # An id outside the vocabulary would read another row (-5) or NaN (vocab_size
         # and up) without a word: NaN for both, which fit stops on and names.
         known_BxL = (tokens_BxL >= 0) & (tokens_BxL < self.vocab_size)
@@ -679,7 +632,7 @@ class Transformer(nn.Module):
         x_BxLxD = _norm(self.norm, "final_norm", self.param_dtype, self.norm_epsilon)(x_BxLxD)
         if self.tie_embeddings:
             query_BxLxD, table_VxD = promote_dtype(x_BxLxD, table_VxD)
-            logits_BxLxV = query_BxLxD @ table_VxD.T
+            logits_BxLxV = tied.logits(query_BxLxD, table_VxD)
         else:
             logits_BxLxV = nn.Dense(
                 self.vocab_size,
