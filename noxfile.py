@@ -49,9 +49,15 @@ def tests(session: nox.Session) -> None:
         env={"MESHKIT_TEST_DEVICES": "1", **env},
     )
     session.run("pytest", "-m", single, *parallel, *args, env={"MESHKIT_TEST_DEVICES": "8", **env})
-    # One at a time: each starts JAX processes of its own, and the signal and timing
-    # tests among them need the cores they were written for.
-    session.run("pytest", "tests", "-m", "multiprocess and not tpu", *args, env=env)
+    # Each starts JAX processes of its own, which use about 1.4 of 2 cores: two tests at a
+    # time, but those that check their processes' timing (signals, heartbeats, stalls,
+    # timed dispatches: marked ``exclusive``) one at a time, on the cores they were
+    # written for.
+    multiprocess = "multiprocess and not tpu"
+    session.run(
+        "pytest", "tests", "-m", f"{multiprocess} and not exclusive", *parallel, *args, env=env
+    )
+    session.run("pytest", "tests", "-m", f"{multiprocess} and exclusive", *args, env=env)
     _slurm_tests(session, args, env=env)
 
 

@@ -20,7 +20,8 @@ import pytest
 from meshkit import train
 from meshkit.testing import start_processes
 
-pytestmark = pytest.mark.multiprocess
+# Signals, heartbeats, stalls and timed dispatches: with no other test's processes beside them.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.exclusive]
 
 # python train.py WORKDIR FAIL_ON HOW: trains "forever"; process FAIL_ON (-1: none) raises
 # on reading its 161st row (step 21), as a corrupt record would make it, or with HOW

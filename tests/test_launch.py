@@ -17,7 +17,8 @@ import pytest
 
 from meshkit import launch
 
-pytestmark = pytest.mark.multiprocess
+# Signals, heartbeats, stalls and timed dispatches: with no other test's processes beside them.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.exclusive]
 
 
 def run_launcher(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -141,6 +141,7 @@ def wait_for_pid(pid_file: Path, *processes: subprocess.Popen[bytes]) -> int:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.exclusive  # a survivor's timing: with no other test's processes beside it
 def test_a_process_killed_without_a_word_is_named_by_the_launcher_in_one_line(tmp_path: Path):
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
@@ -174,6 +175,7 @@ SURVIVOR_SAYS = {
 
 
 @pytest.mark.multiprocess
+@pytest.mark.exclusive  # a survivor's timing: with no other test's processes beside it
 @pytest.mark.parametrize("victim", [0, 1])
 def test_without_a_launcher_the_survivor_says_one_line(tmp_path: Path, victim: int):
     """As under srun, or with hosts started by hand: one process is killed with SIGKILL."""

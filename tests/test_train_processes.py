@@ -21,7 +21,8 @@ from meshkit import checkpoint, data, train
 from meshkit.models import NormCNN
 from meshkit.testing import run_processes, start_processes
 
-pytestmark = pytest.mark.multiprocess
+# Signals, heartbeats, stalls and timed dispatches: with no other test's processes beside them.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.exclusive]
 
 RECIPE = ["-m", "recipes.data_parallel", "--model", "norm_cnn", "--no-progress"]
 
