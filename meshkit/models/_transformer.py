@@ -431,7 +431,9 @@ class Transformer(nn.Module):
         ``"rope"`` (queries and keys rotated by their position in every layer,
         ``rotary_embedding`` with ``rope_base``; no parameters).
       tie_embeddings: compute logits with the token embedding (``x @ embedding.T``)
-        instead of a separate ``[embed_dim, vocab_size]`` matrix.
+        instead of a separate ``[embed_dim, vocab_size]`` matrix. Under FSDP the table
+        is gathered once a step for both uses, and their gradients are added on each
+        device before one reduction.
       remat: what each block keeps for the backward pass (a ``RematPolicy``);
         ``"none"`` keeps everything, ``"nothing_saveable"`` recomputes each block.
       scan_layers: run the blocks as one ``nn.scan`` over parameters stacked along a
@@ -581,9 +583,9 @@ class Transformer(nn.Module):
             name="embed",
         )
         # A tied table serves the lookup and the logits whole along the model width:
-        # under FSDP its shards are gathered once a step and its gradient
-        # reduce-scattered once, where the lookup and the logits' product would each move
-        # their own.
+        # under FSDP its shards are gathered once a step, and the two uses' gradients
+        # are added on each device and reduced once (models/_tied.py), where each use
+        # would move its own.
         table_VxD = tied.whole_width(embed.embedding) if self.tie_embeddings else embed.embedding
         ids_BxL = jnp.clip(tokens_BxL, 0, self.vocab_size - 1)
         if self.tie_embeddings:
