@@ -36,10 +36,19 @@ class _Reduction:
     """Where the table's partial gradients live and how they are summed into its shards."""
 
     mesh: jax.sharding.AbstractMesh
-    rows: tuple[str, ...]  # the axes splitting the tokens (batch, then length)
     batch: tuple[str, ...]
     length: tuple[str, ...]
     shards: tuple[str, ...]  # the FSDP axes splitting the table's width
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """The axes splitting the tokens (batch, then length): those the sum runs over."""
+        return (*self.batch, *self.length)
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The axes the sum runs over besides the FSDP shards' (``data``)."""
+        return tuple(axis for axis in self.rows if axis not in self.shards)
 
     @property
     def tokens(self) -> PartitionSpec:
@@ -55,11 +64,11 @@ def _reduction() -> _Reduction | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    batch, length, shards = _mesh_axes("batch"), _mesh_axes("length"), _mesh_axes("embed")
-    rows = (*batch, *length)
-    if _mesh_axes("vocab") or not shards or not set(shards) <= set(rows):
+    reduction = _Reduction(mesh, _mesh_axes("batch"), _mesh_axes("length"), _mesh_axes("embed"))
+    shards = set(reduction.shards)
+    if _mesh_axes("vocab") or not shards or not shards <= set(reduction.rows):
         return None
-    return _Reduction(mesh, rows, batch, length, shards)
+    return reduction
 
 
 def _per_device(
@@ -93,7 +102,7 @@ def _whole_width_backward(_: None, grad_VxD: jax.Array) -> tuple[jax.Array]:
     reduction = _reduction()
     if reduction is None:
         return (nn.with_logical_constraint(grad_VxD, ("vocab", "embed")),)
-    others = tuple(axis for axis in reduction.rows if axis not in reduction.shards)
+    others = reduction.others  # what the shards sum over besides their own axes
 
     def reduce(partial_VxD: jax.Array) -> jax.Array:
         # This device's partial gradient (lookup's and logits' added, see lookup and

@@ -586,9 +586,10 @@ class Transformer(nn.Module):
         # under FSDP its shards are gathered once a step, and the two uses' gradients
         # are added on each device and reduced once (models/_tied.py), where each use
         # would move its own.
-        table_VxD = tied.whole_width(embed.embedding) if self.tie_embeddings else embed.embedding
         ids_BxL = jnp.clip(tokens_BxL, 0, self.vocab_size - 1)
+        table_VxD = embed.embedding
         if self.tie_embeddings:
+            table_VxD = tied.whole_width(table_VxD)
             x_BxLxD = tied.lookup(table_VxD, ids_BxL)
         else:
             x_BxLxD = jnp.take(table_VxD, ids_BxL, axis=0)
