@@ -5,10 +5,9 @@ included): a loop whose trip count is an argument, or, where the platform wants 
 (``loop_for``), a loop of fixed length or the steps written out. Its per-step inputs
 ``xs`` are a stack of host batches, or a block of source indices into resident data
 that the program slices at an ``offset`` (the block stays on the devices for many
-dispatches, so a dispatch sends three integers, not its batch's indices). The metrics
-are summed on the device as in ``MetricSums``, and each log interval that closes
-inside the chunk is one row of a small stacked output, so log lines are the same
-whatever ``n``.
+dispatches, so a dispatch sends two integers, not its batch's indices). It returns
+each step's metrics as one row of a small table, which the host sums into log lines
+(``LogLines``), so log lines are the same whatever ``n``.
 
 ``'auto'`` is a calibration at the start of a run (``Calibration``, ``choose_steps``):
 it times one-step dispatches and two chunks of ``probe_steps`` steps; the loop then
@@ -33,13 +32,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshkit._host import replicated_sharding
-from meshkit.train._interval import Interval, MetricLayout, _add
+from meshkit.train._interval import MetricLayout
 
 BatchOf = Callable[[Any, Any], Any]
 """``batch_of(data, x) -> batch``: one step's batch from the chunk's per-step input ``x``
 (a batch itself, or source indices into the resident ``data``)."""
 
-ChunkFn = Callable[[Any, Interval, Any, Any, Any], tuple[Any, Interval, Interval]]
+ChunkFn = Callable[[Any, Any, Any, Any], tuple[Any, jax.Array]]
 
 
 Loop = Literal["counted", "fixed", "unrolled"]
@@ -59,17 +58,13 @@ def chunk_program(
     steps: int,
     donate_state: bool,
     batch_of: BatchOf,
-    log_every: int,
 ) -> ChunkFn:
-    """``run(state, interval, data, xs, at) -> (state, interval, rows)``.
+    """``run(state, data, xs, at) -> (state, rows)``.
 
-    ``at`` is ``int32[3]``: ``(offset, first_step, count)``. The program runs ``count``
-    steps on ``xs``'s entries ``offset, offset + 1, ...``, numbered ``first_step,
-    first_step + 1, ...``; ``count`` is at most ``steps`` for a ``"counted"`` loop and
-    equals it otherwise. ``rows`` stacks the running interval after each step
-    (``steps`` rows; past ``count`` they are zeros); after a step that closes a log
-    line (a multiple of ``log_every``) the carried interval starts again from zeros, so
-    row ``k`` of such a step is that line's whole interval.
+    ``at`` is ``int32[2]``: ``(offset, count)``. The program runs ``count`` steps on
+    ``xs``'s entries ``offset, offset + 1, ...``; ``count`` is at most ``steps`` for a
+    ``"counted"`` loop and equals it otherwise. ``rows`` is ``f32[steps, layout.size]``:
+    row ``k`` holds step ``k``'s metrics (``layout.pack``; past ``count``, zeros).
 
     The same arguments give the same jitted function (a second ``fit`` compiles
     nothing), and it carries the train step's name, so compile counts by that name
@@ -85,7 +80,6 @@ def chunk_program(
         steps=steps,
         donate_state=donate_state,
         batch_of=batch_of,
-        log_every=log_every,
     )
 
 
@@ -100,64 +94,42 @@ def _chunk_program(
     steps: int,
     donate_state: bool,
     batch_of: BatchOf,
-    log_every: int,
 ) -> ChunkFn:
     treedef, sharding_leaves = state_shardings
-    replicated = replicated_sharding(mesh)
 
-    def one_step(data: Any, x: Any, state: Any, interval: Interval, step: jax.Array):
-        """One step; the interval after it, and the one carried on (zeros after a step
-        that closes a log line)."""
-        state, metrics = train_step(state, batch_of(data, x))
-        interval = _add(layout, interval, metrics)
-        closes = step % log_every == 0
-        restarted = Interval(*(jnp.where(closes, jnp.zeros_like(v), v) for v in interval))
-        return state, interval, restarted
+    def run(state: Any, data: Any, xs: Any, at: jax.Array) -> tuple[Any, jax.Array]:
+        offset, count = at[0], at[1]
 
-    def run(state: Any, interval: Interval, data: Any, xs: Any, at: jax.Array):
-        offset, first_step, count = at[0], at[1], at[2]
-        if loop == "unrolled" or (loop == "fixed" and steps == 1):  # no loop at all
-            mine = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, offset, steps), xs)
-            rows = []
-            for i in range(steps):
-                x = jax.tree.map(lambda v, i=i: v[i], mine)
-                state, row, interval = one_step(data, x, state, interval, first_step + i)
-                rows.append(row)
-            return state, interval, Interval(*(jnp.stack(v) for v in zip(*rows, strict=True)))
-        if loop == "fixed":
+        def one_step(state: Any, x: Any) -> tuple[Any, jax.Array]:
+            state, metrics = train_step(state, batch_of(data, x))
+            return state, layout.pack(metrics)
 
-            def scanned(carry: tuple[Any, Interval, jax.Array], x: Any):
-                state, interval, step = carry
-                state, row, interval = one_step(data, x, state, interval, step)
-                return (state, interval, step + 1), row
+        if loop == "counted":
 
-            mine = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, offset, steps), xs)
-            carry = (state, interval, first_step)
-            (state, interval, _), rows = jax.lax.scan(scanned, carry, mine)
-            return state, interval, rows
-
-        def body(i: jax.Array, carry: tuple[Any, Interval, Interval]):
-            state, interval, table = carry
-            x = jax.tree.map(
-                lambda v: jax.lax.dynamic_index_in_dim(v, offset + i, keepdims=False), xs
-            )
-            state, row, interval = one_step(data, x, state, interval, first_step + i)
-            table = Interval(
-                *(
-                    jax.lax.dynamic_update_index_in_dim(t, v, i, 0)
-                    for t, v in zip(table, row, strict=True)
+            def body(i: jax.Array, carry: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
+                state, rows = carry
+                x = jax.tree.map(
+                    lambda v: jax.lax.dynamic_index_in_dim(v, offset + i, keepdims=False), xs
                 )
-            )
-            return state, interval, table
+                state, row = one_step(state, x)
+                return state, jax.lax.dynamic_update_index_in_dim(rows, row, i, 0)
 
-        table = Interval(*(jnp.zeros((steps, *v.shape), v.dtype) for v in interval))
-        return jax.lax.fori_loop(0, count, body, (state, interval, table))
+            rows = jnp.zeros((steps, layout.size), jnp.float32)
+            return jax.lax.fori_loop(0, count, body, (state, rows))
+        mine = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, offset, steps), xs)
+        if loop == "fixed" and steps > 1:
+            return jax.lax.scan(one_step, state, mine)
+        rows = []  # unrolled: the steps written out
+        for i in range(steps):
+            state, row = one_step(state, jax.tree.map(lambda v, i=i: v[i], mine))
+            rows.append(row)
+        return state, jnp.stack(rows)
 
     name = getattr(train_step, "__name__", "train_step")
     run.__name__ = run.__qualname__ = name
     return jax.jit(
         run,
-        out_shardings=(jax.tree.unflatten(treedef, sharding_leaves), replicated, replicated),
+        out_shardings=(jax.tree.unflatten(treedef, sharding_leaves), replicated_sharding(mesh)),
         donate_argnums=(0,) if donate_state else (),
     )
 
@@ -324,6 +296,6 @@ def boundary_period(*periods: int | None) -> int:
     return math.gcd(*given) if given else 1
 
 
-def at(offset: int, first_step: int, count: int) -> np.ndarray:
+def at(offset: int, count: int) -> np.ndarray:
     """The ``at`` argument of a chunk program."""
-    return np.asarray((offset, first_step, count), np.int32)
+    return np.asarray((offset, count), np.int32)

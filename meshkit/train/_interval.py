@@ -91,6 +91,12 @@ class MetricLayout:
         """Whether every watched metric is finite (a traced boolean)."""
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(metrics[n])) for n in self.watched]))
 
+    def columns(self, name: str) -> np.ndarray:
+        """The positions of metric ``name``'s elements in the packed vector."""
+        index = self.names.index(name)
+        start = sum(math.prod(shape) for shape in self.shapes[:index])
+        return np.arange(start, start + math.prod(self.shapes[index]))
+
     def unpack(self, vector: np.ndarray) -> dict[str, Any]:
         """Host values by name: floats for scalars, nested lists otherwise."""
         values: dict[str, Any] = {}

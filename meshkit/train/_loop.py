@@ -1,4 +1,5 @@
-"""The fit loop: steps queued ahead, metrics summed on the device, the host at boundaries only."""
+"""The fit loop: steps queued ahead, their metrics read one dispatch late, the host waiting at
+boundaries only."""
 
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ from meshkit.train._chunks import (
 )
 from meshkit.train._gradients import check_microbatch_rows
 from meshkit.train._hooks import Boundary, BoundaryKind, Hook
-from meshkit.train._interval import Interval
+from meshkit.train._interval import IntervalRead
 from meshkit.train._label_diagnosis import labels_outside_classes
+from meshkit.train._lines import LogLines
 from meshkit.train._profile import StepProfiler
 from meshkit.train._records import NonFiniteLossError, Records
-from meshkit.train._runners import Closed, PlainSteps, StepProgram, runner
+from meshkit.train._runners import Dispatched, PlainSteps, StepProgram, runner
 from meshkit.train._settings import Checkpoints, Dispatch, Evaluation, Logging
 from meshkit.train._state import TrainState
 from meshkit.train._writers import JsonlWriter
@@ -117,13 +119,14 @@ def fit(
     """Trains ``state`` for ``num_steps`` steps, resuming from ``workdir`` if it holds a checkpoint.
 
     The host never waits for a step to finish before queuing the next: up to
-    ``dispatch.max_in_flight`` steps are queued on the devices, input batches are
-    placed on them ahead of use by a background thread, and the step's metrics are
-    summed on the device (``MetricSums``). The host reads them once per
-    ``logging.every`` steps (one interval late, so even that read does not stall the
-    queue) and at evaluation, checkpoint and preemption boundaries, where it also
-    checks that no step's loss or gradient norm was non-finite: a checkpoint is never
-    written from a state that followed a non-finite step.
+    ``dispatch.max_in_flight`` dispatches are queued on the devices, and input batches
+    are placed on them ahead of use by a background thread. Each dispatch returns its
+    steps' metrics as a small table that the host copies once the dispatch has left
+    the queue (so the copy does not stall it) and sums into a log line every
+    ``logging.every`` steps; at evaluation, checkpoint and preemption boundaries it
+    reads every step so far and checks that no step's loss or gradient norm was
+    non-finite: a checkpoint is never written from a state that followed a
+    non-finite step.
 
     Checkpoints hold the train state and the data iterator's state, so a killed run
     restarted with the same arguments continues exactly where the last checkpoint left
@@ -139,7 +142,7 @@ def fit(
         when resuming it is the restore target, so its shardings decide the layout.
       train_step: from ``make_train_step`` (or any ``step(state, batch) -> (state,
         metrics)`` reporting ``metrics["loss"]``). ``fit`` runs it inside one jitted
-        program with the metric sums, and donates the state when the step does.
+        program that returns its metrics, and donates the state when the step does.
       pipeline: the training data.
       num_steps: total steps, counted from the start of the run (not of this resume).
       workdir: where checkpoints, ``metrics.jsonl`` and profiles go: a local folder
@@ -195,7 +198,7 @@ def fit(
     _check_steps(num_steps, pipeline, train_step)
     mesh = pipeline.sharding.mesh
     assert isinstance(mesh, Mesh)
-    window: InFlight[_Queued] = dispatch.window(mesh)
+    window: InFlight[Dispatched] = dispatch.window(mesh)
     with claimed(workdir, writes=FIT_FILES) as folder:
         checkpointer = checkpoints.checkpointer(folder)
         resumed = _resume(checkpointer, state, say=logging.progress)
@@ -217,7 +220,6 @@ def fit(
             pipeline,
             data_state,
             mesh,
-            log_every=logging.every,
             largest=_largest(setting, checkpoints, evaluation),
             chunked=setting != 1,
         )
@@ -463,14 +465,6 @@ def _result(
     )
 
 
-@dataclasses.dataclass
-class _Queued:
-    """A dispatch queued on the devices: its last step and the log lines it closed."""
-
-    step: int
-    closed: Closed
-
-
 @dataclasses.dataclass(frozen=True)
 class _Segments:
     """Where a run's boundaries fall (checkpoints, evaluations, its end), and what is
@@ -507,7 +501,7 @@ class _Loop:
         records: Records,
         runner: StepProgram | PlainSteps,
         evaluation: Evaluation | None,
-        window: InFlight[_Queued],
+        window: InFlight[Dispatched],
         *,
         log_every: int,
         hooks: Sequence[Hook],
@@ -533,8 +527,7 @@ class _Loop:
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
         self.queuing_seconds = 0.0  # host time building and queuing dispatches, summed
-        self._interval: Interval | None = None  # the log line under way, on the devices
-        self._pending = 0  # steps since the last log line (in ``_interval``)
+        self._lines: LogLines | None = None  # known once the first dispatch is traced
         self._checked = start  # the last step reported to the preemption watcher
         self._drained_at: float | None = None  # when the last boundary found every step done
 
@@ -603,26 +596,23 @@ class _Loop:
         self.at = first
         profiler.before(first, first + steps - 1)
         with jax.profiler.StepTraceAnnotation("train", step_num=first):
-            compiling = self._interval is None
+            compiling = self._lines is None
             if not compiling:
                 self.stall.enter("input", first)
             queuing = time.perf_counter()
             inputs = runner.fetch(steps)
             if not compiling:
                 self.stall.enter("devices", first)
-            self.state, interval, closed = runner.dispatch(
-                self.state, self._interval, inputs, first, steps
-            )
+            self.state, dispatched = runner.dispatch(self.state, inputs, first, steps)
             self.queuing_seconds += time.perf_counter() - queuing
             if compiling:
-                jax.block_until_ready(interval)  # the first step includes the compile
+                jax.block_until_ready(dispatched.rows)  # the first step includes the compile
                 self._first_done = time.perf_counter()
+                self._lines = LogLines(runner.layout, self.log_every)
         self.step += steps
-        self._interval = interval
-        self._pending = self.step - closed.at[-1][1] if closed.at else self._pending + steps
         profiler.after(self.step, self.state)
-        for queued in self.window.push(_Queued(self.step, closed), interval.steps):
-            self._settle(queued)
+        for done in self.window.push(dispatched, dispatched.rows):
+            self._settle(done)
 
     @property
     def first_step_pending(self) -> bool:
@@ -631,13 +621,12 @@ class _Loop:
 
     def _boundary(self, step: int, checkpointer: Checkpointer | None, *, evaluate: bool) -> None:
         """Checks every step so far, then saves and/or evaluates the state after ``step``."""
-        assert self._interval is not None
-        for queued in self.window.drain():
-            self._settle(queued)
-        carried = Closed(self._interval, [(None, step)] if self._pending else [])
-        self._settle(_Queued(step, carried))
+        assert self._lines is not None
+        for done in self.window.drain():
+            self._settle(done)
+        if self._lines.pending:
+            self._record(self._lines.flush(step))
         self._drained_at = time.perf_counter()  # every step so far is done
-        self._interval, self._pending = self.runner.zeros, 0
         self.stall.pause()  # saves and evaluations may take long; the next step re-arms
         done = time.perf_counter()
         self.elapsed = done - self._first_done - self._paused
@@ -648,18 +637,21 @@ class _Loop:
             self.evaluate(step)
         self._paused += time.perf_counter() - done
 
-    def _settle(self, queued: _Queued) -> None:
-        """Reads (and checks) the log lines a finished dispatch closed."""
-        if not queued.closed.at:
-            return
-        for read in queued.closed.reads(self.runner.layout):
-            values = self.records.interval(
-                read,
-                paused=self._paused,
-                input_wait=self.runner.feed.wait_seconds,
-                diagnose=self._diagnose,
-            )
-            self._call_hooks("log", read.last, values)
+    def _settle(self, done: Dispatched) -> None:
+        """Reads a finished dispatch's metrics, and records (and checks) the log lines
+        they close."""
+        assert self._lines is not None
+        for read in self._lines.add(done.read(), done.first):
+            self._record(read)
+
+    def _record(self, read: IntervalRead) -> None:
+        values = self.records.interval(
+            read,
+            paused=self._paused,
+            input_wait=self.runner.feed.wait_seconds,
+            diagnose=self._diagnose,
+        )
+        self._call_hooks("log", read.last, values)
 
     def _diagnose(self, step: int) -> str | None:
         """The cause of step ``step``'s non-finite loss, when a label explains it (the

@@ -4,69 +4,52 @@
   (``chunk_program``; ``n = 1`` is one step per dispatch) from a ``Feed``: host
   batches or resident data.
 - ``PlainSteps``: a train step written as plain Python (host logic between jitted
-  calls), one call per step on host batches, its metrics summed by ``MetricSums``.
+  calls), one call per step on host batches.
 
-Each one ``fetch``es a dispatch's input and ``dispatch``es it, returning the state,
-the running interval and the log intervals that closed in it (``Closed``, read on the
-host when the dispatch has left the queue).
+Each one ``fetch``es a dispatch's input and ``dispatch``es it, returning the state and
+its steps' metrics (``Dispatched``, read on the host when the dispatch has left the
+queue).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshkit._host import to_host
+from meshkit._host import replicated_sharding, to_host
 from meshkit.data import GlobalBatchIterator
 from meshkit.data._feed import Feed
 from meshkit.train._chunks import Loop, at, chunk_program, loop_for
-from meshkit.train._interval import (
-    Interval,
-    IntervalRead,
-    MetricLayout,
-    MetricSums,
-    TracedStep,
-    read_interval,
-    trace_step,
-    zero_interval,
-)
+from meshkit.train._interval import MetricLayout, TracedStep, trace_step
 
 
 @dataclasses.dataclass
-class Closed:
-    """The log intervals that closed in one dispatch, still on the devices.
+class Dispatched:
+    """One dispatch's metrics, still on the devices: ``rows[k]`` holds step
+    ``first + k``'s (``MetricLayout.pack``), for its ``count`` steps. Their copy to the
+    host starts at once; ``read`` takes them when the dispatch has left the queue."""
 
-    ``rows`` is an interval (one step: the interval itself) or a stack of intervals
-    (a chunk: one row per step); ``at`` lists ``(row, step)`` for each closed line
-    (``row`` ``None`` for an unstacked interval).
-    """
-
-    rows: Interval | None = None
-    at: list[tuple[int | None, int]] = dataclasses.field(default_factory=list)
+    rows: jax.Array
+    first: int
+    count: int
 
     def __post_init__(self) -> None:
-        if self.at and self.rows is not None:
-            for leaf in self.rows:
-                leaf.copy_to_host_async()  # read one dispatch late, when it is ready
+        self.rows.copy_to_host_async()
 
-    def reads(self, layout: MetricLayout) -> Iterator[IntervalRead]:
-        """Each closed line's interval on the host (one copy for all of them)."""
-        if not self.at or self.rows is None:
-            return
-        host: Any = [np.asarray(leaf) for leaf in to_host(self.rows)]
-        rows = Interval(*host)
-        for row, step in self.at:
-            interval = rows if row is None else Interval(*(leaf[row] for leaf in rows))
-            yield read_interval(layout, interval, step)
+    def read(self) -> np.ndarray:
+        """The rows on the host (waits for the dispatch)."""
+        return np.asarray(to_host(self.rows))[: self.count]
 
 
 class PlainSteps:
-    """One call per step of a plain-Python train step, on host batches placed ahead."""
+    """One call per step of a plain-Python train step, on host batches placed ahead;
+    a second small program packs each step's metrics."""
 
     loop: Loop = "fixed"
 
@@ -75,44 +58,37 @@ class PlainSteps:
         train_step: Callable[..., Any],
         batches: GlobalBatchIterator,
         mesh: Mesh,
-        *,
-        log_every: int,
     ):
         self.train_step = train_step
         self.feed = batches
         self.mesh = mesh
-        self.log_every = log_every
-        self.sums: MetricSums | None = None
+        self._layout: MetricLayout | None = None
 
     def fetch(self, steps: int) -> Any:
         assert steps == 1
         return next(self.feed)
 
-    def dispatch(
-        self, state: Any, interval: Interval | None, batch: Any, first: int, steps: int
-    ) -> tuple[Any, Interval, Closed]:
-        if self.sums is None or interval is None:
-            self.sums, state, interval = MetricSums.first_step(
-                self.train_step, state, batch, mesh=self.mesh
-            )
-        else:
-            state, interval = self.sums.step(state, batch, interval)
-        if first % self.log_every:
-            return state, interval, Closed()
-        return state, self.sums.zeros, Closed(interval, [(None, first)])
+    def dispatch(self, state: Any, batch: Any, first: int, steps: int) -> tuple[Any, Dispatched]:
+        state, metrics = self.train_step(state, batch)
+        if self._layout is None:
+            self._layout = MetricLayout.of(metrics)
+        return state, Dispatched(_packed(self._layout, self.mesh)(metrics), first, 1)
 
     @property
     def layout(self) -> MetricLayout:
-        assert self.sums is not None
-        return self.sums.layout
-
-    @property
-    def zeros(self) -> Interval:
-        assert self.sums is not None
-        return self.sums.zeros
+        assert self._layout is not None
+        return self._layout
 
     def describe(self) -> str:
         return "host, placed by a thread" if self.feed.in_thread else "host"
+
+
+@functools.lru_cache(maxsize=16)
+def _packed(layout: MetricLayout, mesh: Mesh) -> Callable[[Any], jax.Array]:
+    """``metrics -> f32[1, size]``, replicated on ``mesh``."""
+    return jax.jit(
+        lambda metrics: layout.pack(metrics)[None], out_shardings=replicated_sharding(mesh)
+    )
 
 
 class StepProgram:
@@ -127,17 +103,14 @@ class StepProgram:
         feed: Feed,
         mesh: Mesh,
         *,
-        log_every: int,
         largest: int,
     ):
         self.train_step = train_step
         self.largest = largest
         self.feed = feed
         self.mesh = mesh
-        self.log_every = log_every
         self._programs: dict[int, Callable[..., Any]] = {}
         self._traced: TracedStep | None = None
-        self._zeros: Interval | None = None
         self.loop: Loop = "counted"
         """How its programs loop over steps (known once the step is traced: ``loop_for``)."""
 
@@ -145,23 +118,12 @@ class StepProgram:
         return self.feed.next(steps)
 
     def dispatch(
-        self,
-        state: Any,
-        interval: Interval | None,
-        inputs: tuple[Any, Any, int],
-        first: int,
-        steps: int,
-    ) -> tuple[Any, Interval, Closed]:
+        self, state: Any, inputs: tuple[Any, Any, int], first: int, steps: int
+    ) -> tuple[Any, Dispatched]:
         data, xs, offset = inputs
         program = self._programs.get(self._key(steps)) or self._build(state, data, xs, steps)
-        start = self.zeros if interval is None else interval
-        state, carried, rows = program(state, start, data, xs, at(offset, first, steps))
-        closing: list[tuple[int | None, int]] = [
-            (step - first, step)
-            for step in range(first, first + steps)
-            if step % self.log_every == 0
-        ]
-        return state, carried, Closed(rows, closing)
+        state, rows = program(state, data, xs, at(offset, steps))
+        return state, Dispatched(rows, first, steps)
 
     def _build(self, state: Any, data: Any, xs: Any, steps: int) -> Callable[..., Any]:
         """The program of ``steps`` steps (the first one traces the train step on one
@@ -170,7 +132,6 @@ class StepProgram:
         if self._traced is None:
             one = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), xs)
             self._traced = trace_step(self.train_step, state, jax.eval_shape(batch_of, data, one))
-            self._zeros = zero_interval(self._traced.layout, self.mesh)
             self.loop = loop_for(self.mesh, self._traced.jaxpr)
         traced, counted = self._traced, self.loop == "counted"
         program = chunk_program(
@@ -182,7 +143,6 @@ class StepProgram:
             steps=self.largest if counted else steps,
             donate_state=traced.donates_state,
             batch_of=batch_of,
-            log_every=self.log_every,
         )
         self._programs[self._key(steps)] = program
         return program
@@ -197,11 +157,6 @@ class StepProgram:
         assert self._traced is not None
         return self._traced.layout
 
-    @property
-    def zeros(self) -> Interval:
-        assert self._zeros is not None
-        return self._zeros
-
     def describe(self) -> str:
         return self.feed.describe()
 
@@ -212,7 +167,6 @@ def runner(
     data_state: dict[str, Any] | None,
     mesh: Mesh,
     *,
-    log_every: int,
     largest: int,
     chunked: bool,
 ) -> StepProgram | PlainSteps:
@@ -224,7 +178,7 @@ def runner(
     """
     if hasattr(train_step, "trace"):
         feed = Feed(pipeline, data_state, largest=largest)
-        return StepProgram(train_step, feed, mesh, log_every=log_every, largest=largest)
+        return StepProgram(train_step, feed, mesh, largest=largest)
     if pipeline.resident_mode is not None or chunked:
         raise TypeError(
             "Several steps per dispatch and resident data need a jitted train step "
@@ -233,4 +187,4 @@ def runner(
             "a plain-Python step."
         )
     batches = GlobalBatchIterator(pipeline, state=data_state)
-    return PlainSteps(train_step, batches, mesh, log_every=log_every)
+    return PlainSteps(train_step, batches, mesh)
