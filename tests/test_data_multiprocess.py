@@ -176,3 +176,30 @@ def test_grain_worker_processes_give_the_same_batches_as_threads():
     # Two workers: each builds every other batch, and their outputs interleave in order.
     for a, b in zip(first_batches_with(0), first_batches_with(2), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_worker_processes_send_uint8_image_batches_and_the_caller_normalises(tmp_path):
+    # image.train_transform's batch stops before normalising (uint8 crosses between the
+    # processes, a quarter of the bytes); the pipeline finishes it in this process. Skipping
+    # the finish, or doing it twice, changes the batches.
+    from meshkit.data import image, image_records, write_digits_images
+
+    records = write_digits_images(tmp_path / "digits", size=16)
+    transform = image.train_transform(12, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD)
+
+    def batches(worker_count: int) -> list[dict[str, np.ndarray]]:
+        pipeline = TrainPipeline(
+            image_records(records["train"]),
+            global_batch_size=16,
+            sharding=meshkit.batch_sharding(meshkit.make_mesh("data=-1")),
+            transform=transform,
+            input_settings=InputSettings(num_threads=0, worker_count=worker_count),
+        )
+        assert pipeline._unfinished_batch(0)["image"].dtype == np.uint8
+        stream = iter(pipeline.dataset(start_step=1))
+        return [next(stream) for _ in range(3)]
+
+    for here, there in zip(batches(0), batches(2), strict=True):
+        assert there["image"].dtype == np.float32
+        for key in here:
+            np.testing.assert_array_equal(here[key], there[key])

@@ -305,7 +305,8 @@ def test_transforms_work_in_a_train_pipeline():
 @pytest.mark.parametrize("padding", [None, 4], ids=["inception-crop", "cifar-crop"])
 @pytest.mark.parametrize("encoded", [True, False], ids=["jpeg", "array"])
 def test_the_batched_transform_equals_the_per_example_one_pixel_for_pixel(padding, encoded):
-    """Crops per example with the same draws; flips and normalisation over the batch."""
+    """Crops per example with the same draws; flips over the batch, then normalisation
+    (``finish``)."""
     transform = image.train_transform(
         16, mean=image.IMAGENET_MEAN, std=image.IMAGENET_STD, padding=padding, scale=(0.3, 1.0)
     )
@@ -319,6 +320,8 @@ def test_the_batched_transform_equals_the_per_example_one_pixel_for_pixel(paddin
         return [np.random.default_rng([7, index]) for index in range(len(records))]
 
     batch = transform.batch(records, generators())
+    assert batch["image"].dtype == np.uint8  # what worker processes send
+    batch = transform.finish(batch)
     one_by_one = [transform(record, rng) for record, rng in zip(records, generators(), strict=True)]
     assert sorted(batch) == ["id", "image", "label"]
     for key in batch:

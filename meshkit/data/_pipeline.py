@@ -88,6 +88,9 @@ class _Pipeline:
         # A transform with a ``batch`` method builds whole batches (vectorised work after
         # the per-example decode): threads and workers then take whole batches too.
         self.batched = callable(getattr(transform, "batch", None))
+        # What this process does to a batch its worker processes built (a batched
+        # transform's ``finish``, in a TrainPipeline); ``None``: nothing.
+        self._finish: Callable[[Record], Record] | None = None
         self.input_settings = settings
         # A gather is one numpy call: threads only add their start-up time. Work per
         # example gets two threads.
@@ -163,6 +166,10 @@ class _Pipeline:
             raise ValueError(f"start_step must be in [0, {stop}], got {start_step}.")
         return range(start_step, stop)
 
+    def _unfinished_batch(self, step: int) -> Record:
+        """What a worker process builds of batch ``step`` (``_finish`` does the rest)."""
+        return self.local_batch(step)
+
     def _batches(self, steps: range) -> grain.IterDataset:
         """The batches of ``steps``, built ahead by threads (or worker processes).
 
@@ -174,9 +181,12 @@ class _Pipeline:
         """
         prefetch = self.prefetch if self.num_threads else 0
         if not self.per_example or self.worker_count > 0 or self.batched:
-            batches = grain.MapDataset.range(steps.start, steps.stop).map(self.local_batch)
+            finish = self._finish if self.worker_count > 0 else None
+            build = self.local_batch if finish is None else self._unfinished_batch
+            batches = grain.MapDataset.range(steps.start, steps.stop).map(build)
             read = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=prefetch)
-            return self._in_workers(batches.to_iter_dataset(read))
+            built = self._in_workers(batches.to_iter_dataset(read))
+            return built if finish is None else built.map(finish)
         size = self.shard.size
         examples = grain.MapDataset.range(
             steps.start * size, min(steps.stop * size, _UNBOUNDED_STEPS)
@@ -280,6 +290,7 @@ class TrainPipeline(_Pipeline):
             raise ValueError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}.")
         self.seed = check_int(seed, name="seed", minimum=0)
         self.transform = transform
+        self._finish = getattr(transform, "finish", None) if self.batched else None
         if not isinstance(shuffle, bool | np.bool_):
             raise TypeError(f"shuffle must be True or False, got {shuffle!r}.")
         self.shuffle = bool(shuffle)  # a plain bool: it goes into the JSON data state
@@ -407,6 +418,12 @@ class TrainPipeline(_Pipeline):
     def local_batch(self, step: int) -> Record:
         if not self.batched:
             return super().local_batch(step)
+        batch = self._unfinished_batch(step)
+        return batch if self._finish is None else self._finish(batch)
+
+    def _unfinished_batch(self, step: int) -> Record:
+        """This process's rows of global batch ``step`` from a batched transform,
+        before its ``finish``."""
         self._check_source_length()
         size = self.shard.size
         records, rngs = self._read_batch(step)

@@ -113,6 +113,7 @@ class MemberTrainPipeline(TrainPipeline):
         )
         self.member_seeds = tuple(member_seeds)
         self.batched = True  # local_batch builds whole [rows, K, ...] batches; threads take them
+        self._finish = None  # each member's batch comes finished
 
     def local_batch(self, step: int) -> Record:
         """This process's rows of global batch ``step``: fields ``[rows, K, ...]``."""

@@ -70,24 +70,31 @@ class TrainTransform:
     def batch(
         self, records: Sequence[Mapping[str, Any]], rngs: Sequence[np.random.Generator]
     ) -> Record:
-        """The transform of every record, stacked: ``stack_records(map(self, ...))``.
+        """Every record cropped and flipped, stacked, its images still ``uint8``: the
+        transform of every record is ``finish(batch(records, rngs))``, equal to
+        ``stack_records(map(self, ...))`` pixel for pixel (tested).
 
         Decoding and cropping stay per example (with the same random draws, in the same
-        order); flips and normalisation run once over the stacked uint8 batch, which
-        saves most of the per-example overhead for small images. Equal to the
-        per-example results (pixel for pixel; tested).
+        order); flips run once over the stacked batch and ``finish`` normalises it,
+        which saves most of the per-example overhead for small images. A pipeline's
+        worker processes stop before ``finish`` and send ``uint8`` batches, a quarter
+        of the bytes; the process that trains finishes them.
         """
         crops = [self._crop(record, rng) for record, rng in zip(records, rngs, strict=True)]
         pixels = np.stack([array for array, _ in crops])
         flips = np.fromiter((flip for _, flip in crops), bool, len(crops))
         if flips.any():
             pixels[flips] = pixels[flips, :, ::-1]
-        batch = {"image": normalize_batch(pixels, self.mean, self.std)}
+        batch = {"image": pixels}
         rest = [{k: v for k, v in record.items() if k != "image"} for record in records]
         rest = [{**record, **_label(record)} for record in rest]
         if rest and rest[0]:
             batch |= stack_records(rest)
         return batch
+
+    def finish(self, batch: Record) -> Record:
+        """``batch``'s images normalised: float32 ``(image / 255 - mean) / std``."""
+        return {**batch, "image": normalize_batch(batch["image"], self.mean, self.std)}
 
     def _crop(self, record: Mapping[str, Any], rng: np.random.Generator) -> tuple[np.ndarray, bool]:
         """The cropped image (before flip and normalisation) and the flip drawn for it."""
