@@ -1,11 +1,11 @@
-"""Step metrics kept on the device: summed over a log interval and read once per interval.
+"""Step metrics: their layout in one float32 vector, and their sums kept on the device.
 
-``fit`` never reads a step's metrics on its own. It runs ``accumulating_step``, which
-calls the train step and adds its metrics, packed into one float32 vector, to a small
-replicated ``Interval`` on the device, with a counter and the position of the first
-step whose loss or gradient norm was not finite. The host reads the ``Interval`` at
-log, evaluation, checkpoint and preemption boundaries only: one small copy per
-interval instead of one blocking read per step.
+``MetricLayout`` packs a step's metrics into one vector (``fit``'s step program returns
+one such row per step, summed into log lines on the host: ``LogLines``). For a loop of
+one's own, ``MetricSums`` fuses a train step with running sums of those vectors on the
+device (an ``Interval``, with a step count and the position of the first step whose
+loss or gradient norm was not finite), read once per log interval: one small copy per
+interval, equal to ``fit``'s log lines.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def read_interval(layout: MetricLayout, interval: Interval, last: int) -> Interv
 class MetricSums:
     """A train step fused with sums of its metrics on the device, read once per interval.
 
-    ``fit``'s bookkeeping, for a loop of your own. ``first_step`` runs the first step
+    For a loop of your own (its means equal ``fit``'s log lines). ``first_step`` runs the first step
     and returns this object; its ``step(state, batch, interval)`` runs each later step
     as one jitted program that also adds the step's metrics (packed into one float32
     vector) to the running ``Interval``, with a step count and the position of the
