@@ -70,8 +70,12 @@ def raw_loop(encoded: list[bytes], trained: int) -> Callable[[int], tuple[float,
 
     from meshkit.data.image import IMAGENET_MEAN, IMAGENET_STD
 
-    mean = np.asarray(IMAGENET_MEAN, np.float32)
-    std = np.asarray(IMAGENET_STD, np.float32)
+    # Normalisation as one multiply and one subtract over whole rows (the per-channel
+    # values repeated along a row: numpy's inner loop then runs over a row, not over
+    # the 3 channels, 7x faster), so the limit is the loop written well.
+    scale = np.tile(np.asarray(IMAGENET_STD, np.float32) ** -1 / 255, trained)
+    offset = np.tile(np.asarray(IMAGENET_MEAN, np.float32) / np.asarray(IMAGENET_STD), trained)
+    scale, offset = scale.astype(np.float32), offset.astype(np.float32)
     log_ratio = (math.log(3 / 4), math.log(4 / 3))
 
     def run(round_index: int) -> tuple[float, float]:
@@ -89,7 +93,7 @@ def raw_loop(encoded: list[bytes], trained: int) -> Callable[[int], tuple[float,
                 pixels = np.asarray(img.convert("RGB").resize((trained, trained), box=box))
             if rng.random() < 0.5:
                 pixels = pixels[:, ::-1]
-            _ = (pixels.astype(np.float32) / 255 - mean) / std
+            _ = pixels.astype(np.float32).reshape(trained, -1) * scale - offset
         return 0.0, (time.perf_counter() - start) / BATCHES
 
     return run
