@@ -349,11 +349,8 @@ def place_stacked_rows(local: Any, sharding: NamedSharding, global_batch_size: i
     process gives its rows; axis 0 is whole on every device).
 
     One transfer for a chunk of steps: their batches (host input) or their source
-    indices (resident data); ``jax.device_put`` in one process (an identity
-    ``jax.jit`` would compile once per chunk size).
+    indices (resident data).
     """
-    if jax.process_count() == 1:
-        return jax.device_put(local, stacked_sharding(sharding))
     return _place_rows(
         local,
         stacked_sharding(sharding),

@@ -157,9 +157,12 @@ class Feed:
         if self._block is None or offset < 0 or offset + steps > self._block_steps:
             self._block_start, offset = self.step, 0
             indices = pipeline.chunk_indices(self.step, self._block_steps)
-            self._block = place_stacked_rows(
-                indices, resident.index_sharding, pipeline.global_batch_size
-            )
+            if jax.process_count() == 1:  # a transfer every few hundred steps: no program
+                self._block = jax.device_put(indices, stacked_sharding(resident.index_sharding))
+            else:
+                self._block = place_stacked_rows(
+                    indices, resident.index_sharding, pipeline.global_batch_size
+                )
         self.step += steps
         return resident.arrays, self._block, offset
 

@@ -10,8 +10,6 @@ once it closes, the sums ``MetricSums`` keeps on the device for a loop of one's 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from meshkit.train._interval import IntervalRead, MetricLayout
@@ -44,14 +42,14 @@ class LogLines:
         """Adds ``rows`` (row ``k`` is step ``first + k``'s metrics); returns the lines
         that closed (at every step that is a multiple of ``every``)."""
         closed = []
-        done = 0
-        while done < len(rows):
+        done, count = 0, len(rows)
+        while done < count:
             step = first + done
             if not self.pending:
                 self._first = step
-            close = math.ceil(step / self.every) * self.every  # the line's last step
-            take = min(len(rows) - done, close - step + 1)
-            self._rows.append(rows[done : done + take])
+            close = (step - 1) // self.every * self.every + self.every  # the line's last step
+            take = min(count - done, close - step + 1)
+            self._rows.append(rows if take == count else rows[done : done + take])
             self.pending += take
             done += take
             if step + take - 1 == close:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshkit._host import replicated_sharding, to_host
+from meshkit._host import replicated_sharding
 from meshkit.data import GlobalBatchIterator
 from meshkit.data._feed import Feed
 from meshkit.train._chunks import Loop, at, chunk_program, loop_for
@@ -32,19 +32,24 @@ from meshkit.train._interval import MetricLayout, TracedStep, trace_step
 @dataclasses.dataclass
 class Dispatched:
     """One dispatch's metrics, still on the devices: ``rows[k]`` holds step
-    ``first + k``'s (``MetricLayout.pack``), for its ``count`` steps. Their copy to the
-    host starts at once; ``read`` takes them when the dispatch has left the queue."""
+    ``first + k``'s (``MetricLayout.pack``, replicated), for its ``count`` steps; ``read``
+    takes them when the dispatch has left the queue."""
 
     rows: jax.Array
     first: int
     count: int
 
-    def __post_init__(self) -> None:
-        self.rows.copy_to_host_async()
-
     def read(self) -> np.ndarray:
         """The rows on the host (waits for the dispatch)."""
-        return np.asarray(to_host(self.rows))[: self.count]
+        rows = self.rows if self.rows.is_fully_addressable else self.rows.addressable_data(0)
+        return np.asarray(rows)[: self.count]
+
+
+def copies_ahead(mesh: Mesh) -> bool:
+    """Whether a dispatch's rows are copied to the host as soon as it is queued
+    (``copy_to_host_async``), so that reading them later does not wait for a copy: on
+    accelerators. A CPU device's arrays are in host memory already."""
+    return mesh.devices.flat[0].platform != "cpu"
 
 
 class PlainSteps:
@@ -63,6 +68,7 @@ class PlainSteps:
         self.feed = batches
         self.mesh = mesh
         self._layout: MetricLayout | None = None
+        self._copy_ahead = copies_ahead(mesh)
 
     def fetch(self, steps: int) -> Any:
         assert steps == 1
@@ -72,7 +78,10 @@ class PlainSteps:
         state, metrics = self.train_step(state, batch)
         if self._layout is None:
             self._layout = MetricLayout.of(metrics)
-        return state, Dispatched(_packed(self._layout, self.mesh)(metrics), first, 1)
+        rows = _packed(self._layout, self.mesh)(metrics)
+        if self._copy_ahead:
+            rows.copy_to_host_async()
+        return state, Dispatched(rows, first, 1)
 
     @property
     def layout(self) -> MetricLayout:
@@ -111,6 +120,7 @@ class StepProgram:
         self.mesh = mesh
         self._programs: dict[int, Callable[..., Any]] = {}
         self._traced: TracedStep | None = None
+        self._copy_ahead = copies_ahead(mesh)
         self.loop: Loop = "counted"
         """How its programs loop over steps (known once the step is traced: ``loop_for``)."""
 
@@ -123,6 +133,8 @@ class StepProgram:
         data, xs, offset = inputs
         program = self._programs.get(self._key(steps)) or self._build(state, data, xs, steps)
         state, rows = program(state, data, xs, at(offset, steps))
+        if self._copy_ahead:
+            rows.copy_to_host_async()
         return state, Dispatched(rows, first, steps)
 
     def _build(self, state: Any, data: Any, xs: Any, steps: int) -> Callable[..., Any]:
