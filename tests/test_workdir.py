@@ -107,6 +107,7 @@ def test_a_workdir_an_older_meshkit_wrote_is_taken_as_its_own(tmp_path: Path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.exclusive  # both processes must say it before the launcher's grace period ends
 @pytest.mark.once(8)  # the multi-process pass (which starts with 8 devices)
 def test_two_processes_take_a_workdir_once_and_are_refused_together(tmp_path: Path):
     """Process 0 takes the lock and tells process 1 the outcome (a collective), so both
