@@ -97,19 +97,20 @@ def to_host(tree: Any) -> Any:
         >>> meshkit.to_host(batch).tolist()
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
+    return jax.tree.map(array_to_host, tree)
 
-    def get(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.Array):
-            return np.asarray(leaf)
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        if leaf.is_fully_addressable:
-            return np.asarray(leaf)
-        if leaf.is_fully_replicated:
-            return np.asarray(leaf.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
-    return jax.tree.map(get, tree)
+def array_to_host(leaf: Any) -> np.ndarray:
+    """``to_host`` of one array (a collective where it is sharded across processes)."""
+    if not isinstance(leaf, jax.Array):
+        return np.asarray(leaf)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    if leaf.is_fully_addressable:
+        return np.asarray(leaf)
+    if leaf.is_fully_replicated:
+        return np.asarray(leaf.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
 
 def text_row(text: str, size: int) -> np.ndarray:

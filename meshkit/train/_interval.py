@@ -239,25 +239,31 @@ def trace_step(train_step: StepFn, state: Any, batch: Any) -> TracedStep:
 def read_interval(layout: MetricLayout, interval: Interval, last: int) -> IntervalRead:
     """Copies ``interval`` (which ended at step ``last``) to the host; blocks until it is ready."""
     sums, steps, first_bad = to_host(interval)
-    count = int(steps)
+    return host_interval_read(layout, sums, int(steps), int(first_bad), last)
+
+
+def host_interval_read(
+    layout: MetricLayout, sums: np.ndarray, count: int, first_bad: int, last: int
+) -> IntervalRead:
+    """An interval's host values, ended at step ``last``: ``sums`` (float32), its
+    ``count`` of steps and ``first_bad`` (1-based; 0: every step finite)."""
     first = last - count + 1
     means = layout.unpack(sums / max(count, 1))
-    bad = int(first_bad)
-    return IntervalRead(first, last, means, first + bad - 1 if bad else None)
+    return IntervalRead(first, last, means, first + first_bad - 1 if first_bad else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricSums:
     """A train step fused with sums of its metrics on the device, read once per interval.
 
-    For a loop of your own (its means equal ``fit``'s log lines). ``first_step`` runs the first step
-    and returns this object; its ``step(state, batch, interval)`` runs each later step
-    as one jitted program that also adds the step's metrics (packed into one float32
-    vector) to the running ``Interval``, with a step count and the position of the
-    first step whose ``loss`` or ``grad_norm`` was not finite. Nothing is read on the
-    host until ``read``: call ``copy_to_host_async`` when an interval closes, keep
-    going, and ``read`` it once its last step has left the queue (``InFlight``), so
-    the read does not stall the devices. Start the next interval from ``zeros``.
+    For a loop of your own (its means equal ``fit``'s log lines). ``first_step`` runs
+    the first step and returns this object; its ``step(state, batch, interval)`` runs
+    each later step as one jitted program that also adds the step's metrics (packed into
+    one float32 vector) to the running ``Interval``, with a step count and the position
+    of the first step whose ``loss`` or ``grad_norm`` was not finite. Nothing is read on
+    the host until ``read``: call ``copy_to_host_async`` when an interval closes, keep
+    going, and ``read`` it once its last step has left the queue (``InFlight``), so the
+    read does not stall the devices. Start the next interval from ``zeros``.
 
     A jitted train step is traced (not run twice) for its metric names and donation,
     and the fused program donates the state exactly when the step does. A train step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshkit.train._interval import IntervalRead, MetricLayout
+from meshkit.train._interval import IntervalRead, MetricLayout, host_interval_read
 
 
 class LogLines:
@@ -33,7 +33,6 @@ class LogLines:
         self.layout = layout
         self.every = every
         self._rows: list[np.ndarray] = []  # the open line's rows, in step order
-        self._first = 0  # the open line's first step
         self.pending = 0
         """Steps in the open line."""
         self._watched = np.concatenate([layout.columns(name) for name in layout.watched])
@@ -45,11 +44,9 @@ class LogLines:
         done, count = 0, len(rows)
         while done < count:
             step = first + done
-            if not self.pending:
-                self._first = step
             close = (step - 1) // self.every * self.every + self.every  # the line's last step
             take = min(count - done, close - step + 1)
-            self._rows.append(rows if take == count else rows[done : done + take])
+            self._rows.append(rows[done : done + take])
             self.pending += take
             done += take
             if step + take - 1 == close:
@@ -60,8 +57,8 @@ class LogLines:
         """The open line, ended at step ``last`` (a boundary between log steps)."""
         assert self.pending, "no steps in the open log line"
         rows = np.concatenate(self._rows)
-        self._rows, count, first, self.pending = [], self.pending, self._first, 0
+        self._rows, self.pending = [], 0
         finite = np.isfinite(rows[:, self._watched]).all(axis=1)
-        bad = None if finite.all() else first + int(np.argmin(finite))
+        first_bad = 0 if finite.all() else int(np.argmin(finite)) + 1  # 1-based, as Interval's
         sums = np.add.accumulate(rows, axis=0)[-1]  # float32, in step order: as MetricSums
-        return IntervalRead(first, last, self.layout.unpack(sums / count), bad)
+        return host_interval_read(self.layout, sums, len(rows), first_bad, last)

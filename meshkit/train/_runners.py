@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshkit._host import replicated_sharding
+from meshkit._host import array_to_host, replicated_sharding
 from meshkit.data import GlobalBatchIterator
 from meshkit.data._feed import Feed
 from meshkit.train._chunks import Loop, at, chunk_program, loop_for
@@ -41,8 +41,7 @@ class Dispatched:
 
     def read(self) -> np.ndarray:
         """The rows on the host (waits for the dispatch)."""
-        rows = self.rows if self.rows.is_fully_addressable else self.rows.addressable_data(0)
-        return np.asarray(rows)[: self.count]
+        return array_to_host(self.rows)[: self.count]
 
 
 def copies_ahead(mesh: Mesh) -> bool:

@@ -495,7 +495,7 @@ def _normalized(array: np.ndarray, mean: Any, std: Any) -> np.ndarray:
     scale, offset = (unit / std32).astype(np.float32), (mean32 / std32).astype(np.float32)
     # Per-channel values repeated along a row: numpy's inner loop then runs over whole
     # rows instead of the 3 channels (7x faster on a batch; the same values).
-    rows = out.reshape(-1, out.shape[-2] * out.shape[-1]) if out.ndim >= 2 else out
+    rows = out.reshape(-1, out.shape[-2] * out.shape[-1])  # an image or a batch of them
     repeat = rows.shape[-1] // scale.size
     rows *= np.tile(scale, repeat)
     rows -= np.tile(offset, repeat)
