@@ -127,9 +127,14 @@ def save(
 ) -> Path:
     """Writes ``benchmarks/results/<name>.json`` with the environment beside the numbers,
     and ``<name>.md`` with the run's ``versions`` line and its ``tables`` (what the docs
-    quote once the run is recorded: ``python -m benchmarks.quoted record <name>``)."""
+    quote once the run is recorded: ``python -m benchmarks.quoted record <name>``). On an
+    accelerator the run is ``<name>_gpu`` or ``<name>_tpu``, so it never replaces the
+    CPU run the docs quote."""
     RESULTS.mkdir(exist_ok=True)
     run = {"environment": environment(), **results}
+    backend = run["environment"]["platform"]
+    if backend != "cpu":
+        name = f"{name}_{'gpu' if backend in ('gpu', 'cuda', 'rocm') else backend}"
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(run, indent=2))
     print(f"\nwrote {path}")

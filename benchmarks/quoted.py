@@ -14,6 +14,9 @@ tables and nothing else:
     python -m benchmarks.quoted retable sweep     # the recorded run's tables, re-made by
                                                   # the benchmark's code (after a change)
 
+On a GPU or TPU a benchmark's run is ``<name>_gpu`` or ``<name>_tpu`` (``sweep_gpu``),
+recorded and quoted the same way beside the CPU run.
+
 ``tests/first_hour.py`` writes ``benchmarks/results/first_hour.json`` and ``.md`` the same
 way. ``tests/test_docs.py`` checks that every quoted region equals its recorded table.
 Results in ``benchmarks/results/`` stay untracked; a recorded run is tracked.
@@ -58,6 +61,8 @@ def versions(env: Mapping[str, Any], *, devices: bool = True) -> str:
     where = env["platform"].upper()
     if devices:
         where = f"{env['devices']} {where} device{'s' if env['devices'] != 1 else ''}"
+    if env["platform"] != "cpu" and env.get("device_kind"):
+        where += f" ({env['device_kind']})"
     return f"{software}, optax {env['optax']}; {where}; recorded {env['date']}"
 
 
@@ -88,7 +93,8 @@ def write_tables(folder: Path, run: str, results: dict[str, Any], tables: Tables
 def _retable(run: str) -> None:
     """Re-makes the tables of the recorded run ``run`` from its JSON with its benchmark's
     ``tables`` (in a process of its own: a benchmark chooses its devices on import)."""
-    name = "tests.first_hour" if run == "first_hour" else f"benchmarks.{run}"
+    benchmark = run.removesuffix("_gpu").removesuffix("_tpu")  # an accelerator's run
+    name = "tests.first_hour" if run == "first_hour" else f"benchmarks.{benchmark}"
     results = json.loads((RECORDED / f"{run}.json").read_text())
     write_tables(RECORDED, run, results, importlib.import_module(name).tables)
 

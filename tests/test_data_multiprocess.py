@@ -68,10 +68,14 @@ def chunk_stream(placement: str) -> list[dict[str, np.ndarray]]:
         input_settings=InputSettings(placement=placement),  # type: ignore[arg-type]
     )
     feed = Feed(pipeline, largest=max(CHUNKS))
+    chunks = []
     try:
-        return [meshkit.to_host(feed.next(n)[1]) for n in CHUNKS]
+        for n in CHUNKS:
+            _, xs, offset = feed.next(n)
+            chunks.append({k: v[offset : offset + n] for k, v in meshkit.to_host(xs).items()})
     finally:
         feed.close()
+    return chunks
 
 
 def child_chunks_placed_by_threads() -> list[dict[str, np.ndarray]]:
@@ -126,7 +130,8 @@ def test_placing_threads_on_two_processes_give_the_same_global_batches_as_one():
 
 @pytest.mark.devices(8)
 def test_placing_threads_on_two_processes_build_the_same_chunks_as_one_loop():
-    """Chunks cut and joined on the devices: windows and joins of global arrays."""
+    """Chunks each process's thread stacks, and those rebuilt where the size changes,
+    hold the same steps as one process's loop."""
     one_process = chunk_stream("loop")
     for stream in run_processes(child_chunks_placed_by_threads):
         assert len(stream) == len(CHUNKS)

@@ -70,22 +70,50 @@ def test_a_placing_thread_gives_the_loops_batches_and_data_state():
     assert_bit_identical(first + rest, expected)
 
 
-def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps():
-    """Chunks of several sizes equal the loop's stacks: the thread places batches one by
-    one, and a chunk joins as many on the devices."""
-    sizes = (1, 4, 3, 3, 2, 4, 4, 4, 4)
+@pytest.mark.parametrize(
+    "requests",
+    [
+        # (steps, the chunk size the caller runs): sizes that change at every call
+        [(1, 1), (4, 4), (3, 3), (3, 3), (2, 2), (4, 4), (4, 4), (4, 4), (4, 4)],
+        # a loop at 4 per dispatch with boundaries that leave 1 or 3 steps
+        [(4, 4), (1, 4), (4, 4), (4, 4), (3, 3), (1, 4), (1, 4), (4, 4), (4, 4), (2, 4)],
+    ],
+    ids=["sizes-change", "boundaries"],
+)
+def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps(requests):
+    """The steps a chunk's ``(xs, offset)`` holds equal the loop's stacks: the thread
+    places whole chunks ahead, and a request that does not fit the chunk under way is
+    built from the same batches in the caller's thread."""
     chunks = {}
     for placement in ("loop", "thread"):
         feed = Feed(pipeline(placement), largest=4)
         try:
-            chunks[placement] = [meshkit.to_host(feed.next(n)[1]) for n in sizes]
-            assert feed.state()["step"] == sum(sizes)
+            chunks[placement] = []
+            for steps, chunk in requests:
+                _, xs, offset = feed.next(steps, chunk=chunk)
+                taken = {k: v[offset : offset + steps] for k, v in meshkit.to_host(xs).items()}
+                chunks[placement].append(taken)
+            assert feed.state()["step"] == sum(steps for steps, _ in requests)
         finally:
             feed.close()
         assert feed.describe() == ("host, placed by a thread" if placement == "thread" else "host")
     assert not placing_threads()
-    assert [c["x"].shape for c in chunks["thread"]] == [(n, 16, 3) for n in sizes]
+    assert [c["x"].shape for c in chunks["thread"]] == [(n, 16, 3) for n, _ in requests]
     assert_bit_identical(chunks["thread"], chunks["loop"])
+
+
+def test_a_placing_thread_holds_whole_chunks_and_ends_with_a_short_one():
+    """At a steady size the thread's chunks are whole (one transfer each, served in
+    turn); a finite pipeline's last chunk is short and then the feed ends."""
+    feed = Feed(pipeline("thread", num_epochs=1), largest=2)  # 3 batches of 16 from 50
+    try:
+        first, second = feed.next(2, chunk=2), feed.next(1, chunk=2)
+        assert first[1]["x"].shape[0] == 2 and second[2] == 0  # a new (short) chunk
+        with pytest.raises(StopIteration):
+            feed.next(2, chunk=2)
+    finally:
+        feed.close()
+    assert not placing_threads()
 
 
 def _fails_at_example_40(record: dict, rng: np.random.Generator) -> dict:

@@ -14,6 +14,7 @@ checkpoint records are the same.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -74,6 +75,8 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
         self._finished = False  # the thread ended: items exhausted, an error, or closed
         self._error: BaseException | None = None
         self._closing = False
+        self._paused = False  # held(): the thread waits before its next item
+        self._building = False  # the thread is reading or placing an item
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -81,10 +84,11 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
         try:
             while True:
                 with self._changed:
-                    while len(self._ready) >= self._ahead and not self._closing:
+                    while (len(self._ready) >= self._ahead or self._paused) and not self._closing:
                         self._changed.wait()
                     if self._closing:
                         return
+                    self._building = True
                 try:
                     item = next(self._items)
                 except StopIteration:
@@ -92,22 +96,39 @@ class PlacedAhead(Generic[Placed], Iterator[Placed]):
                 placed = self._place(item)
                 with self._changed:
                     self._ready.append(placed)
+                    self._building = False
                     self._changed.notify_all()
         except BaseException as error:  # handed to the loop's thread, raised there
             with self._changed:
                 self._error = error
         finally:
             with self._changed:
-                self._finished = True
+                self._finished, self._building = True, False
                 self._changed.notify_all()
 
-    def keep(self, ahead: int) -> None:
-        """Keeps at least ``ahead`` items placed from now on (a chunk of that many steps
-        takes them at once)."""
+    @contextlib.contextmanager
+    def held(self) -> Iterator[list[Placed]]:
+        """Stops the thread between items and hands over the items placed ahead, in
+        order; the thread goes on when the block ends. Inside the block the caller may
+        read ``items`` itself (``finished`` says whether the thread ended: then its error
+        or the end comes from ``next()``)."""
         with self._changed:
-            if ahead > self._ahead:
-                self._ahead = ahead
+            self._paused = True
+            while self._building:
+                self._changed.wait()
+            ready = list(self._ready)
+            self._ready.clear()
+        try:
+            yield ready
+        finally:
+            with self._changed:
+                self._paused = False
                 self._changed.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the thread ended: ``items`` ran out, failed, or ``close()``."""
+        return self._finished
 
     def __next__(self) -> Placed:
         with self._changed:

@@ -7,7 +7,9 @@ mesh, keeping the data state a checkpoint records and the seconds spent waiting.
   placement, no cross-process communication). Who places them follows the pipeline's
   ``InputSettings.placement``: on a CPU (``'auto'``) the caller's thread, on a GPU or
   TPU a thread of its own that keeps the next batches placed (``PlacedAhead``), so
-  their copies overlap the steps under way and the caller only takes them.
+  their copies overlap the steps under way and the caller only takes them. Chunks
+  are stacked on the host and placed in one transfer either way (the thread builds
+  whole chunks of the size the loop runs ahead).
 - resident data (``InputSettings(resident=True)``): the dataset is on the devices
   already, and a block of the source indices of many steps is placed once for all of
   them; a step's batch is gathered on the devices.
@@ -22,6 +24,7 @@ a time. A data state saved by either resumes with the other.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 import warnings
@@ -30,9 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from meshkit._batch import place_local_rows, place_stacked_rows, stacked_sharding
 from meshkit.data._ahead import PlacedAhead, places_in_thread
@@ -65,11 +66,12 @@ class Feed:
       pipeline: the data.
       state: a data state saved by ``state()`` (its step is where the feed starts).
       largest: the most steps one ``next`` asks for (resident index blocks hold whole
-        chunks of it; a placing thread keeps twice the last chunk's batches ready).
+        chunks of it).
       stacked: chunks for ``fit`` (host batches placed with a leading step axis, or
-        resident indices), or host batches as they are (``GlobalBatchIterator``).
-      prefetch: host batches the caller's thread places ahead of use (a placing
-        thread keeps at least as many ready).
+        resident indices; a placing thread keeps two whole chunks ready), or host
+        batches as they are (``GlobalBatchIterator``).
+      prefetch: for batches as they are: how many the caller's thread places ahead
+        of use (a placing thread keeps at least as many ready).
     """
 
     def __init__(
@@ -104,6 +106,8 @@ class Feed:
         self._placed: collections.deque[Any] = collections.deque()  # placed ahead, in the loop
         self._error: Exception | None = None  # building a later batch failed: raised in turn
         self._exhausted = False
+        self._rows: _Rows | None = None  # what the placing thread builds chunks from
+        self._chunk: _PlacedChunk | None = None  # the placing thread's chunk under way
         self._block: Any = None  # resident: indices of steps _block_start ..
         self._block_start = 0
         self._block_steps = max(largest, BLOCK_STEPS // largest * largest)
@@ -119,16 +123,16 @@ class Feed:
         input); placed on first use, which counts as start-up."""
         return getattr(self.pipeline, "resident_data", None) if self.resident else None
 
-    def next(self, steps: int) -> tuple[Any, Any, int]:
-        """``(data, xs, offset)`` for the next ``steps`` steps; the data state moves past them."""
+    def next(self, steps: int, *, chunk: int | None = None) -> tuple[Any, Any, int]:
+        """``(data, xs, offset)`` for the next ``steps`` steps, ``xs``'s entries ``offset``
+        on; the data state moves past them. ``chunk``: the steps per dispatch the caller
+        runs, where it asks for fewer before a boundary (a placing thread builds chunks
+        of that size ahead; by default ``steps``)."""
         if self.resident:
             return self._timed(self._resident, steps)
-        if not self.in_thread and self.prefetch == 0:  # one transfer for the whole chunk
-            return None, self._timed(self._host_chunk, steps), 0
-        if self._ahead is not None:
-            self._ahead.keep(2 * steps)
-        pieces = [self._timed(self._one) for _ in range(steps)]
-        return None, pieces[0] if steps == 1 else _joined(self.pipeline.sharding)(*pieces), 0
+        if self.in_thread:
+            return (None, *self._timed(self._from_thread, steps, chunk or steps))
+        return None, self._timed(self._host_chunk, steps), 0  # one transfer per chunk
 
     def _timed(self, take: Callable[..., Any], *args: Any) -> Any:
         """``take(*args)``, its seconds counted as start-up (the first) or waiting."""
@@ -166,20 +170,66 @@ class Feed:
         self.step += steps
         return resident.arrays, self._block, offset
 
-    def _open(self) -> Iterator[Any]:
-        """The pipeline's iterator, and the placing thread where there is one."""
+    def _open(self, chunk: int = 1) -> Iterator[Any]:
+        """The pipeline's iterator, and the placing thread where there is one: for chunks it
+        reads and places whole chunks (of ``chunk`` steps first), else one batch at a time."""
         if self._local is None:
             self._local = iter(self.pipeline.local_batches(self.step))
             if self.in_thread:
                 # Nothing the thread runs refers to the feed, so a feed dropped unclosed
                 # is collected and its finalizer ends the thread.
-                self._ahead = PlacedAhead(
-                    self._local,
-                    functools.partial(_place, self.pipeline, stacked=self._stacked),
-                    ahead=max(self.prefetch, 1),
-                )
+                if self._stacked:
+                    self._rows = _Rows(self._local, chunk)
+                    self._ahead = PlacedAhead(
+                        self._rows, functools.partial(_placed_chunk, self.pipeline), ahead=2
+                    )
+                else:
+                    self._ahead = PlacedAhead(
+                        self._local,
+                        functools.partial(_place, self.pipeline, stacked=False),
+                        ahead=max(self.prefetch, 1),
+                    )
                 weakref.finalize(self, self._ahead.stop)
         return self._local
+
+    def _from_thread(self, steps: int, chunk: int) -> tuple[Any, int]:
+        """``(xs, offset)`` from the chunks the placing thread builds ahead: the rest of
+        the chunk under way, or the next one where it fits; else (the chunk size changed,
+        or a boundary left part of a chunk) a chunk built here from the same batches."""
+        self._open(chunk)
+        assert self._ahead is not None and self._rows is not None
+        self._rows.size = chunk  # the thread's next chunks
+        placed = self._chunk
+        if placed is None or len(placed.rows) - placed.used < steps:
+            left = [] if placed is None else placed.rows[placed.used :]
+            placed = None
+            if not left and not (self._ahead.finished and self._rows.front):
+                placed = next(self._ahead)  # the thread's error, after the chunks before it
+                if not steps <= len(placed.rows) <= max(chunk, steps):
+                    left, placed = placed.rows, None
+            self._chunk = placed = placed or self._rebuilt(left, steps)
+        offset = placed.used
+        placed.used += steps
+        self.step += steps
+        return placed.xs, offset
+
+    def _rebuilt(self, first: list[Any], steps: int) -> _PlacedChunk:
+        """A chunk of ``steps`` batches placed in this thread: ``first``, then those the
+        thread placed ahead (it waits meanwhile), then new ones; the batches left over go
+        back in front of the thread's next chunks, so the order stays the pipeline's."""
+        assert self._ahead is not None and self._rows is not None
+        rows = self._rows
+        with self._ahead.held() as ready:
+            batches = first + [b for placed in ready for b in placed.rows] + list(rows.front)
+            rows.front.clear()
+            try:
+                while len(batches) < steps:
+                    if self._ahead.finished:  # its error or the end, after the batches before it
+                        next(self._ahead)
+                    batches.append(next(rows.local))
+            finally:
+                rows.front.extend(batches[steps:] if len(batches) >= steps else batches)
+        return _placed_chunk(self.pipeline, batches[:steps])
 
     def _host_chunk(self, steps: int) -> Any:
         local = self._open()
@@ -237,6 +287,7 @@ class Feed:
                 close()
         self._ahead = None
         self._local = None
+        self._rows = self._chunk = None
         self._block = None
 
 
@@ -312,14 +363,47 @@ def _place(pipeline: TrainPipeline | EvalPipeline, *batches: Any, stacked: bool)
     return place_stacked_rows(stack, pipeline.sharding, pipeline.global_batch_size)
 
 
-@functools.lru_cache(maxsize=16)
-def _joined(sharding: NamedSharding) -> Any:
-    """Placed chunks joined into one on the devices (no communication: the step axis is
-    whole on every device)."""
-    return jax.jit(
-        lambda *chunks: jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *chunks),
-        out_shardings=stacked_sharding(sharding),
-    )
+@dataclasses.dataclass
+class _PlacedChunk:
+    """Host batches and their stack on the devices (a leading step axis); ``used`` of
+    them taken."""
+
+    rows: list[Any]
+    xs: Any
+    used: int = 0
+
+
+def _placed_chunk(pipeline: TrainPipeline | EvalPipeline, rows: list[Any]) -> _PlacedChunk:
+    return _PlacedChunk(rows, _place(pipeline, *rows, stacked=True))
+
+
+class _Rows(Iterator[list[Any]]):
+    """A placing thread's chunks: lists of ``size`` host batches (fewer at the end), the
+    batches put back in ``front`` first, then the pipeline's."""
+
+    def __init__(self, local: Iterator[Any], size: int):
+        self.local = local
+        self.front: collections.deque[Any] = collections.deque()
+        self.size = size
+
+    def __next__(self) -> list[Any]:
+        rows: list[Any] = []
+        while len(rows) < self.size:
+            if self.front:
+                rows.append(self.front.popleft())
+                continue
+            try:
+                rows.append(next(self.local))
+            except StopIteration:
+                break
+        if not rows:
+            raise StopIteration
+        return rows
+
+    def close(self) -> None:
+        close = getattr(self.local, "close", None)
+        if close is not None:
+            close()
 
 
 _LATER_FIELDS = frozenset({"shuffle"})

@@ -1,8 +1,8 @@
 """The step program: ``n`` train steps in one jitted program, and how ``'auto'`` picks ``n``.
 
 ``chunk_program`` runs the train step ``n`` times inside one program (``n = 1``
-included): a loop whose trip count is an argument, or, where the platform wants it
-(``loop_for``), a loop of fixed length or the steps written out. Its per-step inputs
+included): a loop whose trip count is an argument, so one program serves every ``n``,
+or, for a convolution on a CPU (``loop_for``), the steps written out. Its per-step inputs
 ``xs`` are a stack of host batches, or a block of source indices into resident data
 that the program slices at an ``offset`` (the block stays on the devices for many
 dispatches, so a dispatch sends two integers, not its batch's indices). It returns
@@ -41,11 +41,10 @@ BatchOf = Callable[[Any, Any], Any]
 ChunkFn = Callable[[Any, Any, Any, Any], tuple[Any, jax.Array]]
 
 
-Loop = Literal["counted", "fixed", "unrolled"]
+Loop = Literal["counted", "unrolled"]
 """How a step program loops over its steps: ``"counted"``, a loop whose trip count is
-an argument (one program for every number of steps); ``"fixed"``, a loop of a fixed
-number of steps (one program per number); ``"unrolled"``, the steps written out one
-after another (one program per number)."""
+an argument (one program for every number of steps); ``"unrolled"``, the steps written
+out one after another (one program per number)."""
 
 
 def chunk_program(
@@ -63,7 +62,7 @@ def chunk_program(
 
     ``at`` is ``int32[2]``: ``(offset, count)``. The program runs ``count`` steps on
     ``xs``'s entries ``offset, offset + 1, ...``; ``count`` is at most ``steps`` for a
-    ``"counted"`` loop and equals it otherwise. ``rows`` is ``f32[steps, layout.size]``:
+    ``"counted"`` loop and equals it for an unrolled one. ``rows`` is ``f32[steps, layout.size]``:
     row ``k`` holds step ``k``'s metrics (``layout.pack``; past ``count``, zeros).
 
     The same arguments give the same jitted function (a second ``fit`` compiles
@@ -117,8 +116,6 @@ def _chunk_program(
             rows = jnp.zeros((steps, layout.size), jnp.float32)
             return jax.lax.fori_loop(0, count, body, (state, rows))
         mine = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, offset, steps), xs)
-        if loop == "fixed" and steps > 1:
-            return jax.lax.scan(one_step, state, mine)
         rows = []  # unrolled: the steps written out
         for i in range(steps):
             state, row = one_step(state, jax.tree.map(lambda v, i=i: v[i], mine))
@@ -140,16 +137,17 @@ def loop_for(mesh: Mesh, jaxpr: Any) -> Loop:
     - CPUs, a step with a convolution: ``"unrolled"``. XLA:CPU runs a convolution
       inside a loop body an order of magnitude slower than outside one (15x for the
       MNIST CNN's step); the compile time then grows with the steps.
-    - GPUs: ``"fixed"``. XLA:GPU evaluates a loop's condition on the host at every
-      iteration unless it knows the trip count, a round trip per step.
-    - elsewhere (CPUs, TPUs): ``"counted"``: one program for any number of steps.
+    - everywhere else: ``"counted"``, one program for any number of steps, so a run
+      compiles its step once (the calibration's chunks and the single steps around
+      boundaries included). On GPUs XLA evaluates such a loop's condition on the host
+      at each step, a round trip that a step of a few microseconds notices (the
+      benchmarks page has the figures) and a real model's step does not.
 
-    The three give the same bits (tested on a CPU).
+    The two give the same bits (tested on a CPU).
     """
-    platform = mesh.devices.flat[0].platform
-    if platform == "cpu" and _has_convolution(jaxpr):
+    if mesh.devices.flat[0].platform == "cpu" and _has_convolution(jaxpr):
         return "unrolled"
-    return "fixed" if platform in ("gpu", "cuda", "rocm") else "counted"
+    return "counted"
 
 
 def _has_convolution(jaxpr: Any) -> bool:
@@ -161,11 +159,6 @@ def _has_convolution(jaxpr: Any) -> bool:
                 return True
     return False
 
-
-DISPATCH_SHARE = 0.03
-"""Where a chunk needs a program of its own (a fixed loop, on GPUs), ``'auto'`` times
-one only where a one-step dispatch's host work is more than this share of a step:
-below it, what a chunk saves in dispatching is not worth another compile."""
 
 CHUNK_GAIN = 0.9
 """``'auto'`` chooses the probed chunk only where its steps ran in at most this share
@@ -217,28 +210,19 @@ class Calibration:
     chunk: float | None = None
     loop: Loop = "counted"
 
-    @property
-    def worth_probing(self) -> bool:
-        """Whether a chunk could save more than ``DISPATCH_SHARE`` of a step in
-        dispatching: at most the host work of the dispatches it replaces."""
-        return self.probe_steps > 1 and self.queuing > DISPATCH_SHARE * self.one
-
 
 def choose_steps(measured: Calibration) -> int:
     """``'auto'``'s steps per dispatch, from what the calibration measured: the probed
     chunk size where its steps took at most ``CHUNK_GAIN`` of a one-step dispatch's
-    time, else one step (the chunk was about as fast, or slower, or not timed: where a
-    chunk needs a program of its own, ``fit`` times it only when a dispatch's host work
-    is more than ``DISPATCH_SHARE`` of a step).
+    time, else one step (the chunk was about as fast, or slower, or not timed).
 
     Examples:
         >>> tiny = Calibration(one=340e-6, queuing=300e-6, probe_steps=50, chunk=60e-6)
         >>> choose_steps(tiny)
         50
-        >>> cnn = Calibration(one=35e-3, queuing=0.4e-3, probe_steps=16)  # 1% of a step
-        >>> cnn.worth_probing, choose_steps(cnn)
-        (False, 1)
         >>> choose_steps(Calibration(one=1e-3, queuing=0.2e-3, probe_steps=16, chunk=0.95e-3))
+        1
+        >>> choose_steps(Calibration(one=35e-3, queuing=0.4e-3, probe_steps=16))  # untimed
         1
     """
     if measured.chunk is None:
@@ -252,8 +236,8 @@ def describe_dispatch(steps: int, measured: Calibration | None, *, auto: bool) -
     Examples:
         >>> describe_dispatch(1, None, auto=False)
         '1 step per dispatch'
-        >>> describe_dispatch(1, Calibration(35e-3, 0.4e-3, 16), auto=True)
-        '1 step per dispatch (auto: 35 ms per step, its dispatch 1% of it)'
+        >>> describe_dispatch(1, Calibration(35e-3, 0.4e-3, 1), auto=True)
+        '1 step per dispatch (auto: 35 ms per step; no chunk fits between the boundaries)'
         >>> describe_dispatch(50, Calibration(340e-6, 300e-6, 50, 60e-6), auto=True)
         '50 steps per dispatch (auto: 340 us per step at 1 per dispatch, 60 us at 50)'
     """
@@ -268,8 +252,8 @@ def describe_dispatch(steps: int, measured: Calibration | None, *, auto: bool) -
             "written out step by step on a CPU, so none was timed)"
         )
     if measured.chunk is None:
-        share = measured.queuing / measured.one
-        return f"{text} (auto: {duration(measured.one)} per step, its dispatch {share:.0%} of it)"
+        why = "no chunk fits between the boundaries" if measured.probe_steps == 1 else "none timed"
+        return f"{text} (auto: {duration(measured.one)} per step; {why})"
     return (
         f"{text} (auto: {duration(measured.one)} per step at 1 per dispatch, "
         f"{duration(measured.chunk)} at {measured.probe_steps})"

@@ -282,11 +282,9 @@ def _calibrate(loop: _Loop) -> Calibration | None:
     first compiles; the next few each start on idle devices, and the least host time
     one took is the dispatch's cost; then a group is timed), then, after a chunk of
     ``probe_steps`` that warms up, a timed chunk, a second one-step group and a second
-    chunk; the least of each two is what counts. The chunk is timed where the loop is
-    counted (it runs the program already compiled); on a fixed loop (GPUs), whose
-    chunk is a program of its own, only if a dispatch's host time is more than a
-    sliver of a step; an unrolled chunk (convolutions on CPUs), whose compile grows
-    with its steps, never. ``None`` where the run ends (or stops) before the one-step
+    chunk; the least of each two is what counts. The chunk runs the program already
+    compiled (a counted loop); an unrolled chunk (convolutions on CPUs), whose compile
+    grows with its steps, is never timed. ``None`` where the run ends (or stops) before the one-step
     group is timed.
 
     Timed groups lie inside one segment between boundaries, so no save or evaluation
@@ -302,7 +300,7 @@ def _calibrate(loop: _Loop) -> Calibration | None:
     queuing = min(seconds for seconds in idle if seconds is not None)
     kind = loop.runner.loop
     measured = _agreed(Calibration(timed, queuing, probe_steps(loop.segment.period), loop=kind))
-    if kind == "unrolled" or (kind == "fixed" and not measured.worth_probing):
+    if kind == "unrolled" or measured.probe_steps == 1:
         return measured
     if loop.timed(measured.probe_steps, 1) is None:  # the probe's first chunk compiles
         return measured
@@ -545,7 +543,8 @@ class _Loop:
         until = min(until, segment.num_steps)
         while self.step < until and not self.stopped:
             room = min(segment.room(self.step), until - self.step)
-            self._dispatch(steps_per_dispatch if room >= steps_per_dispatch else 1)
+            steps = steps_per_dispatch if room >= steps_per_dispatch else 1
+            self._dispatch(steps, steps_per_dispatch)
             step = self.step
             last = step == segment.num_steps
             evaluate = self.evaluation is not None and self.evaluation.due(step, last=last)
@@ -588,9 +587,9 @@ class _Loop:
             self._drained_at = time.perf_counter()
         return (self._drained_at - began) / steps
 
-    def _dispatch(self, steps: int) -> None:
-        """Queues steps ``step + 1 .. step + steps`` as one dispatch (the first one of the
-        run compiles, and is waited for)."""
+    def _dispatch(self, steps: int, chunk: int) -> None:
+        """Queues steps ``step + 1 .. step + steps`` as one dispatch, of a run of ``chunk``
+        steps per dispatch (the first one of the run compiles, and is waited for)."""
         runner, profiler = self.runner, self.segment.profiler
         first = self.step + 1
         self.at = first
@@ -600,7 +599,7 @@ class _Loop:
             if not compiling:
                 self.stall.enter("input", first)
             queuing = time.perf_counter()
-            inputs = runner.fetch(steps)
+            inputs = runner.fetch(steps, chunk)
             if not compiling:
                 self.stall.enter("devices", first)
             self.state, dispatched = runner.dispatch(self.state, inputs, first, steps)

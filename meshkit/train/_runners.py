@@ -55,7 +55,7 @@ class PlainSteps:
     """One call per step of a plain-Python train step, on host batches placed ahead;
     a second small program packs each step's metrics."""
 
-    loop: Loop = "fixed"
+    loop: Loop = "counted"  # no program loops over its steps: only the type asks
 
     def __init__(
         self,
@@ -69,8 +69,8 @@ class PlainSteps:
         self._layout: MetricLayout | None = None
         self._copy_ahead = copies_ahead(mesh)
 
-    def fetch(self, steps: int) -> Any:
-        assert steps == 1
+    def fetch(self, steps: int, chunk: int) -> Any:
+        assert steps == chunk == 1
         return next(self.feed)
 
     def dispatch(self, state: Any, batch: Any, first: int, steps: int) -> tuple[Any, Dispatched]:
@@ -103,7 +103,7 @@ class StepProgram:
     """``steps`` steps of a jitted train step per dispatch (``chunk_program``), from a ``Feed``.
 
     One program runs every dispatch of at most ``largest`` steps (its trip count is an
-    argument), or one per number of steps where the loop is fixed (``loop_for``)."""
+    argument), or one per number of steps where it is unrolled (``loop_for``)."""
 
     def __init__(
         self,
@@ -123,8 +123,9 @@ class StepProgram:
         self.loop: Loop = "counted"
         """How its programs loop over steps (known once the step is traced: ``loop_for``)."""
 
-    def fetch(self, steps: int) -> tuple[Any, Any, int]:
-        return self.feed.next(steps)
+    def fetch(self, steps: int, chunk: int) -> tuple[Any, Any, int]:
+        """The inputs of ``steps`` steps, where the loop runs ``chunk`` per dispatch."""
+        return self.feed.next(steps, chunk=chunk)
 
     def dispatch(
         self, state: Any, inputs: tuple[Any, Any, int], first: int, steps: int
