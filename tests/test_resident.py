@@ -476,6 +476,28 @@ def test_a_resident_run_resumes_exactly_where_a_host_run_stopped(tmp_path):
 
 
 @pytest.mark.once
+def test_a_run_fed_by_a_placing_thread_resumes_bit_exact(tmp_path):
+    """Chunks of 8 against checkpoints every 50: the steps before each boundary come
+    from the thread's chunk under way and the chunk after it is rebuilt (the order
+    and the data state stay the pipeline's), so a run stopped at 50 and resumed ends
+    with the bits of one never stopped."""
+    thread = {"resident": False, "steps_per_dispatch": 8, "placement": "thread"}
+    _fit(tmp_path, num_steps=50, **thread)
+    resumed, logged = _fit(tmp_path, num_steps=100, **thread)
+    assert resumed.resumed_from == 50 and resumed.input_path == "host, placed by a thread"
+    straight, straight_logged = _fit(tmp_path / "straight", num_steps=100, **thread)
+    assert {k: v for k, v in straight_logged.items() if k > 50} == {
+        k: v for k, v in logged.items() if k > 50
+    }
+    for got, expected in zip(
+        jax.tree.leaves(meshkit.to_host(resumed.state.params)),
+        jax.tree.leaves(meshkit.to_host(straight.state.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.once
 def test_a_plain_python_step_is_refused_for_chunks_with_the_way_out(tmp_path):
     mesh = meshkit.make_mesh("data=-1")
     sharding = meshkit.batch_sharding(mesh)

@@ -238,7 +238,8 @@ class Feed:
         return _place(self.pipeline, *batches, stacked=True)
 
     def _one(self) -> Any:
-        """The next placed batch (``StopIteration`` at the end of a finite pipeline)."""
+        """The next placed batch as it is (``GlobalBatchIterator``; ``StopIteration`` at the
+        end of a finite pipeline)."""
         local = self._open()
         if self._ahead is not None:
             placed = next(self._ahead)  # the thread's error, after the batches before it
@@ -255,7 +256,7 @@ class Feed:
                     raise
                 self._error, self._exhausted = error, True  # the batches before it come first
                 break
-            self._placed.append(_place(self.pipeline, batch, stacked=self._stacked))
+            self._placed.append(_place(self.pipeline, batch, stacked=False))
         if not self._placed:
             if self._error is not None:
                 error, self._error = self._error, None
