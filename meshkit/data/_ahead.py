@@ -6,7 +6,7 @@ device waits. ``PlacedAhead`` moves the reading and the placing to one backgroun
 thread that keeps a few placed batches ready, so the next batch's copy overlaps the
 step under way and the loop only dispatches. On a CPU the "device" is the same cores
 as the host: the thread's hand-offs cost more than they hide (measured in
-``python -m benchmarks fit_overhead``), so there the loop places batches itself
+``python -m benchmarks host_placement``), so there the loop places batches itself
 (``placement='auto'``). Either way the batches, their order and the data state a
 checkpoint records are the same.
 """
