@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jax.dtypes import canonicalize_dtype
 
 import meshkit
 from meshkit import data
@@ -81,25 +82,30 @@ def test_a_placing_thread_gives_the_loops_batches_and_data_state():
     ids=["sizes-change", "boundaries"],
 )
 def test_a_chunk_feed_with_a_placing_thread_stacks_the_same_steps(requests):
-    """The steps a chunk's ``(xs, offset)`` holds equal the loop's stacks: the thread
-    places whole chunks ahead, and a request that does not fit the chunk under way is
-    built from the same batches in the caller's thread."""
-    chunks = {}
+    """The steps a chunk's ``(xs, offset)`` holds are the pipeline's batches of those
+    steps, for either placement: chunks are built whole at the size the caller runs, and
+    a request that does not fit the chunk under way is built from the same batches."""
+    reference = pipeline("loop")
+    expected, step = [], 0
+    for steps, _ in requests:
+        batches = [reference.local_batch(k) for k in range(step, step + steps)]
+        stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+        expected.append({k: v.astype(canonicalize_dtype(v.dtype)) for k, v in stacked.items()})
+        step += steps
     for placement in ("loop", "thread"):
         feed = Feed(pipeline(placement), largest=4)
+        chunks = []
         try:
-            chunks[placement] = []
             for steps, chunk in requests:
                 _, xs, offset = feed.next(steps, chunk=chunk)
-                taken = {k: v[offset : offset + steps] for k, v in meshkit.to_host(xs).items()}
-                chunks[placement].append(taken)
-            assert feed.state()["step"] == sum(steps for steps, _ in requests)
+                placed = meshkit.to_host(xs)
+                chunks.append({k: v[offset : offset + steps] for k, v in placed.items()})
+            assert feed.state()["step"] == step
         finally:
             feed.close()
         assert feed.describe() == ("host, placed by a thread" if placement == "thread" else "host")
+        assert_bit_identical(chunks, expected)
     assert not placing_threads()
-    assert [c["x"].shape for c in chunks["thread"]] == [(n, 16, 3) for n, _ in requests]
-    assert_bit_identical(chunks["thread"], chunks["loop"])
 
 
 def test_a_placing_thread_holds_whole_chunks_and_ends_with_a_short_one():

@@ -356,7 +356,7 @@ def resident_one_step(tmp_path_factory):
     [
         (True, 8, 1, "auto"),  # one program for every count of steps
         (True, "auto", 1, "auto"),
-        (False, 8, 2, "auto"),  # host chunks of 8 and of 1 (around the boundaries)
+        (False, 8, 1, "auto"),  # host chunks of 8 serve the steps around boundaries
         (False, 1, 1, "thread"),  # host batches placed by a thread of their own
         (False, 8, 1, "thread"),  # its chunks of 8 serve the steps around boundaries too
     ],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import time
 import warnings
 import weakref
@@ -107,7 +108,7 @@ class Feed:
         self._error: Exception | None = None  # building a later batch failed: raised in turn
         self._exhausted = False
         self._rows: _Rows | None = None  # what the placing thread builds chunks from
-        self._chunk: _PlacedChunk | None = None  # the placing thread's chunk under way
+        self._chunk: _PlacedChunk | None = None  # host input: the chunk under way
         self._block: Any = None  # resident: indices of steps _block_start ..
         self._block_start = 0
         self._block_steps = max(largest, BLOCK_STEPS // largest * largest)
@@ -130,9 +131,7 @@ class Feed:
         of that size ahead; by default ``steps``)."""
         if self.resident:
             return self._timed(self._resident, steps)
-        if self.in_thread:
-            return (None, *self._timed(self._from_thread, steps, chunk or steps))
-        return None, self._timed(self._host_chunk, steps), 0  # one transfer per chunk
+        return (None, *self._timed(self._host, steps, chunk or steps))
 
     def _timed(self, take: Callable[..., Any], *args: Any) -> Any:
         """``take(*args)``, its seconds counted as start-up (the first) or waiting."""
@@ -192,19 +191,24 @@ class Feed:
                 weakref.finalize(self, self._ahead.stop)
         return self._local
 
-    def _from_thread(self, steps: int, chunk: int) -> tuple[Any, int]:
-        """``(xs, offset)`` from the chunks the placing thread builds ahead: the rest of
-        the chunk under way, or the next one where it fits; else (the chunk size changed,
-        or a boundary left part of a chunk) a chunk built here from the same batches."""
-        self._open(chunk)
-        assert self._ahead is not None and self._rows is not None
-        self._rows.size = chunk  # the thread's next chunks
+    def _host(self, steps: int, chunk: int) -> tuple[Any, int]:
+        """``(xs, offset)`` from host batches stacked in chunks of ``chunk`` steps (by the
+        placing thread, ahead, or here): the rest of the chunk under way, or the next
+        one where it fits; else (the chunk size changed, or a boundary left part of a
+        chunk) a chunk built here from the same batches. Each chunk is one transfer, and
+        the steps before a boundary come from a chunk of the size the loop runs, so
+        their program is the chunk's."""
+        local = self._open(chunk)
+        if self._rows is not None:
+            self._rows.size = chunk  # the thread's next chunks
         placed = self._chunk
         if placed is None or len(placed.rows) - placed.used < steps:
             left = [] if placed is None else placed.rows[placed.used :]
             placed = None
-            if not left and not (self._ahead.finished and self._rows.front):
-                placed = next(self._ahead)  # the thread's error, after the chunks before it
+            ended = self._ahead is not None and self._ahead.finished
+            if not left and not (ended and self._rows is not None and self._rows.front):
+                # The thread's error, if any, comes after the chunks before it.
+                placed = next(self._ahead) if self._ahead else self._built(local, chunk)
                 if not steps <= len(placed.rows) <= max(chunk, steps):
                     left, placed = placed.rows, None
             self._chunk = placed = placed or self._rebuilt(left, steps)
@@ -213,11 +217,24 @@ class Feed:
         self.step += steps
         return placed.xs, offset
 
+    def _built(self, local: Iterator[Any], size: int) -> _PlacedChunk:
+        """The next ``size`` batches (fewer at the end of a finite pipeline), placed here."""
+        rows = list(itertools.islice(local, size))
+        if not rows:
+            raise StopIteration
+        return _placed_chunk(self.pipeline, rows)
+
     def _rebuilt(self, first: list[Any], steps: int) -> _PlacedChunk:
         """A chunk of ``steps`` batches placed in this thread: ``first``, then those the
-        thread placed ahead (it waits meanwhile), then new ones; the batches left over go
-        back in front of the thread's next chunks, so the order stays the pipeline's."""
-        assert self._ahead is not None and self._rows is not None
+        placing thread placed ahead (it waits meanwhile), then new ones; the batches
+        left over go back in front of the thread's next chunks, so the order stays the
+        pipeline's."""
+        assert self._local is not None
+        if self._ahead is None:
+            return _placed_chunk(
+                self.pipeline, first + [next(self._local) for _ in range(steps - len(first))]
+            )
+        assert self._rows is not None
         rows = self._rows
         with self._ahead.held() as ready:
             batches = first + [b for placed in ready for b in placed.rows] + list(rows.front)
@@ -230,12 +247,6 @@ class Feed:
             finally:
                 rows.front.extend(batches[steps:] if len(batches) >= steps else batches)
         return _placed_chunk(self.pipeline, batches[:steps])
-
-    def _host_chunk(self, steps: int) -> Any:
-        local = self._open()
-        batches = [next(local) for _ in range(steps)]
-        self.step += steps
-        return _place(self.pipeline, *batches, stacked=True)
 
     def _one(self) -> Any:
         """The next placed batch as it is (``GlobalBatchIterator``; ``StopIteration`` at the
