@@ -24,9 +24,9 @@ a time. A data state saved by either resumes with the other.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
-import itertools
 import time
 import warnings
 import weakref
@@ -107,7 +107,7 @@ class Feed:
         self._placed: collections.deque[Any] = collections.deque()  # placed ahead, in the loop
         self._error: Exception | None = None  # building a later batch failed: raised in turn
         self._exhausted = False
-        self._rows: _Rows | None = None  # what the placing thread builds chunks from
+        self._rows: _Rows | None = None  # host input in chunks: what they are built from
         self._chunk: _PlacedChunk | None = None  # host input: the chunk under way
         self._block: Any = None  # resident: indices of steps _block_start ..
         self._block_start = 0
@@ -174,11 +174,12 @@ class Feed:
         reads and places whole chunks (of ``chunk`` steps first), else one batch at a time."""
         if self._local is None:
             self._local = iter(self.pipeline.local_batches(self.step))
+            if self._stacked:
+                self._rows = _Rows(self._local, chunk)
             if self.in_thread:
                 # Nothing the thread runs refers to the feed, so a feed dropped unclosed
                 # is collected and its finalizer ends the thread.
-                if self._stacked:
-                    self._rows = _Rows(self._local, chunk)
+                if self._rows is not None:
                     self._ahead = PlacedAhead(
                         self._rows, functools.partial(_placed_chunk, self.pipeline), ahead=2
                     )
@@ -198,17 +199,17 @@ class Feed:
         chunk) a chunk built here from the same batches. Each chunk is one transfer, and
         the steps before a boundary come from a chunk of the size the loop runs, so
         their program is the chunk's."""
-        local = self._open(chunk)
-        if self._rows is not None:
-            self._rows.size = chunk  # the thread's next chunks
+        self._open(chunk)
+        rows, ahead = self._rows, self._ahead
+        assert rows is not None
+        rows.size = chunk  # the next chunks
         placed = self._chunk
         if placed is None or len(placed.rows) - placed.used < steps:
             left = [] if placed is None else placed.rows[placed.used :]
             placed = None
-            ended = self._ahead is not None and self._ahead.finished
-            if not left and not (ended and self._rows is not None and self._rows.front):
+            if not left and not (ahead is not None and ahead.finished and rows.front):
                 # The thread's error, if any, comes after the chunks before it.
-                placed = next(self._ahead) if self._ahead else self._built(local, chunk)
+                placed = next(ahead) if ahead else _placed_chunk(self.pipeline, next(rows))
                 if not steps <= len(placed.rows) <= max(chunk, steps):
                     left, placed = placed.rows, None
             self._chunk = placed = placed or self._rebuilt(left, steps)
@@ -217,32 +218,20 @@ class Feed:
         self.step += steps
         return placed.xs, offset
 
-    def _built(self, local: Iterator[Any], size: int) -> _PlacedChunk:
-        """The next ``size`` batches (fewer at the end of a finite pipeline), placed here."""
-        rows = list(itertools.islice(local, size))
-        if not rows:
-            raise StopIteration
-        return _placed_chunk(self.pipeline, rows)
-
     def _rebuilt(self, first: list[Any], steps: int) -> _PlacedChunk:
-        """A chunk of ``steps`` batches placed in this thread: ``first``, then those the
+        """A chunk of ``steps`` batches placed in this thread: ``first``, then those a
         placing thread placed ahead (it waits meanwhile), then new ones; the batches
-        left over go back in front of the thread's next chunks, so the order stays the
+        left over go back in front of the next chunks, so the order stays the
         pipeline's."""
-        assert self._local is not None
-        if self._ahead is None:
-            return _placed_chunk(
-                self.pipeline, first + [next(self._local) for _ in range(steps - len(first))]
-            )
-        assert self._rows is not None
-        rows = self._rows
-        with self._ahead.held() as ready:
+        rows, ahead = self._rows, self._ahead
+        assert rows is not None
+        with ahead.held() if ahead is not None else contextlib.nullcontext([]) as ready:
             batches = first + [b for placed in ready for b in placed.rows] + list(rows.front)
             rows.front.clear()
             try:
                 while len(batches) < steps:
-                    if self._ahead.finished:  # its error or the end, after the batches before it
-                        next(self._ahead)
+                    if ahead is not None and ahead.finished:  # its error or the end, in turn
+                        next(ahead)
                     batches.append(next(rows.local))
             finally:
                 rows.front.extend(batches[steps:] if len(batches) >= steps else batches)
@@ -390,8 +379,9 @@ def _placed_chunk(pipeline: TrainPipeline | EvalPipeline, rows: list[Any]) -> _P
 
 
 class _Rows(Iterator[list[Any]]):
-    """A placing thread's chunks: lists of ``size`` host batches (fewer at the end), the
-    batches put back in ``front`` first, then the pipeline's."""
+    """Host input's chunks (a placing thread's, or the loop's): lists of ``size`` host
+    batches (fewer at the end), the batches put back in ``front`` first, then the
+    pipeline's."""
 
     def __init__(self, local: Iterator[Any], size: int):
         self.local = local

@@ -38,6 +38,12 @@ class Dispatched:
     rows: jax.Array
     first: int
     count: int
+    copy_ahead: dataclasses.InitVar[bool]
+    """Start the rows' copy to the host now (``copies_ahead``)."""
+
+    def __post_init__(self, copy_ahead: bool) -> None:
+        if copy_ahead:
+            self.rows.copy_to_host_async()
 
     def read(self) -> np.ndarray:
         """The rows on the host (waits for the dispatch)."""
@@ -78,9 +84,7 @@ class PlainSteps:
         if self._layout is None:
             self._layout = MetricLayout.of(metrics)
         rows = _packed(self._layout, self.mesh)(metrics)
-        if self._copy_ahead:
-            rows.copy_to_host_async()
-        return state, Dispatched(rows, first, 1)
+        return state, Dispatched(rows, first, 1, self._copy_ahead)
 
     @property
     def layout(self) -> MetricLayout:
@@ -133,9 +137,7 @@ class StepProgram:
         data, xs, offset = inputs
         program = self._programs.get(self._key(steps)) or self._build(state, data, xs, steps)
         state, rows = program(state, data, xs, at(offset, steps))
-        if self._copy_ahead:
-            rows.copy_to_host_async()
-        return state, Dispatched(rows, first, steps)
+        return state, Dispatched(rows, first, steps, self._copy_ahead)
 
     def _build(self, state: Any, data: Any, xs: Any, steps: int) -> Callable[..., Any]:
         """The program of ``steps`` steps (the first one traces the train step on one
