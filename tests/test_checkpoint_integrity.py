@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 import meshkit
 from meshkit import checkpoint, data, train
+from meshkit._compiles import count_compiles
+from meshkit.checkpoint import _digest
 from meshkit.checkpoint._digest import tree_digest
 from meshkit.testing import run_processes
 from meshkit.train._interval import IntervalRead
@@ -82,6 +84,29 @@ def test_digest_matches_numpy_on_any_mesh_and_sees_one_bit(on_host):
     bits = values()["w"].view(np.uint32).copy()
     bits[17, 3] ^= 1 << 31  # the sign bit of one value
     assert tree_digest({"w": bits.view(np.float32)})["w"] != expected["w"]
+
+
+@pytest.mark.once(8)
+def test_a_prepared_checkpointer_saves_and_restores_without_compiling_the_digest(
+    tmp_path, monkeypatch
+):
+    """Where the digest is a program (accelerators, several processes), ``prepare``
+    compiles it in the background from the leaves' shapes and shardings alone (the
+    leaves may be donated right after): the save and the restore compile none of it."""
+    monkeypatch.setattr(_digest, "_digests_on_host", lambda arrays: False)
+    mesh = meshkit.make_mesh("data=-1")
+    tree = placed(values(), mesh)
+    checkpointer = checkpoint.Checkpointer(tmp_path, save_every=1)
+    donated = jax.tree.map(jnp.copy, tree)
+    checkpointer.prepare(donated)
+    jax.tree.map(lambda leaf: leaf.delete(), donated)
+    with count_compiles() as log:
+        checkpointer.save(1, tree, {"step": 1})
+        checkpointer.wait()
+        restored, _ = checkpointer.restore(tree)
+    checkpointer.close()
+    assert log.count("digest") == 0, log.events
+    assert tree_digest(restored) == {name: numpy_digest(v) for name, v in values().items()}
 
 
 def names(folder: Path) -> list[str]:

@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from meshkit._host import row_text, text_row
 from meshkit._paths import PathLike, as_path
 from meshkit._pytree import path_str
-from meshkit.checkpoint._digest import checkpoint_damage
+from meshkit.checkpoint._digest import DigestCompile, checkpoint_damage
 from meshkit.checkpoint._orbax import (
     Storage,
     disk_full,
@@ -135,6 +135,7 @@ class Checkpointer:
         self.save_every = save_every
         self._storage = Storage(self.directory, keep)
         self._pending: int | None = None  # the step of a save that may still be running
+        self._digest_compile: DigestCompile | None = None
         quiet_abandoned_writes()  # a failed save's writes may complain before it is seen
 
     def latest_step(self) -> int | None:
@@ -149,6 +150,21 @@ class Checkpointer:
         self.check(step)
         return step % self.save_every == 0
 
+    def prepare(self, state: Any) -> None:
+        """Starts compiling the digest of states like ``state`` in the background.
+
+        Where the digest is a jitted program (on accelerators, and on CPUs with
+        several processes) a first save or restore would wait for its compile; after
+        ``prepare`` it compiles while the train step does. Optional (``fit`` calls
+        it); nothing is compiled where the digest is computed in numpy.
+        """
+        self._digest_compile = DigestCompile(state)
+
+    def _digest_compiled(self) -> None:
+        if self._digest_compile is not None:
+            self._digest_compile.wait()
+            self._digest_compile = None
+
     def save(
         self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False
     ) -> bool:
@@ -161,6 +177,7 @@ class Checkpointer:
         if not force and not self._storage.is_due(step):
             return False
         self._finish(step)
+        self._digest_compiled()
         try:
             started = self._storage.start_save(step, state, data_state, force=force)
         except Exception as error:
@@ -247,6 +264,7 @@ class Checkpointer:
         if damage := _agreed_damage(damage):
             raise self._damaged(step, damage) from failure
         assert read is not None
+        self._digest_compiled()
         if read.digest is None:
             warnings.warn(
                 f"The checkpoint of step {step} in {self.directory} has no digest (it was "
@@ -380,6 +398,7 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         try:
+            self._digest_compiled()
             self._finish()
         finally:
             self._storage.close()

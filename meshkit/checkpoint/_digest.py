@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import zlib
 from typing import Any
 
@@ -53,7 +55,9 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(bits * linear), jnp.sum(bits * mixed)])
 
 
-_digest_leaves = jax.jit(lambda leaves: [_leaf_digest(leaf) for leaf in leaves])
+@jax.jit
+def _digest_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [_leaf_digest(leaf) for leaf in leaves]
 
 
 def _host_leaf_digest(x: np.ndarray) -> list[int]:
@@ -105,16 +109,65 @@ def tree_digest(tree: Any, *, on_host: bool | None = None) -> dict[str, list[int
     if _digests_on_host(arrays) if on_host is None else on_host:
         sums = [_host_leaf_digest(np.asarray(array)) for array in arrays]
         return {path_str(path): s for path, s in zip(paths, sums, strict=True)}
-    groups: dict[frozenset[Any], list[int]] = {}  # one program per set of devices
-    for i, array in enumerate(arrays):
-        groups.setdefault(frozenset(array.sharding.device_set), []).append(i)
     sums: list[Any] = [None] * len(arrays)
-    for indices in groups.values():
+    for indices in _device_groups(arrays):
         for i, s in zip(
             indices, to_host(_digest_leaves([arrays[i] for i in indices])), strict=True
         ):
             sums[i] = s
     return {path_str(path): [int(v) for v in s] for path, s in zip(paths, sums, strict=True)}
+
+
+def _device_groups(arrays: list[jax.Array]) -> list[list[int]]:
+    """The indices of ``arrays`` by the set of devices they live on: one program each."""
+    groups: dict[frozenset[Any], list[int]] = {}
+    for i, array in enumerate(arrays):
+        groups.setdefault(frozenset(array.sharding.device_set), []).append(i)
+    return list(groups.values())
+
+
+class DigestCompile:
+    """``tree_digest``'s programs for trees like ``tree``, compiled in a background thread.
+
+    On accelerators, and on CPUs with several processes, the digest is a jitted
+    program whose compile a first save would otherwise wait for; compiled here while
+    the train step compiles, the save finds it in the jitted function's cache. Nothing
+    to compile where the digest is computed in numpy, or where a leaf is not a
+    ``jax.Array``. Reads only the leaves' shapes, dtypes and shardings, here, so the
+    tree may be donated to a step right after.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> ahead = DigestCompile({"w": jnp.ones(3)})
+        >>> ahead.wait()  # returns once compiled; a failure is the later call's to report
+    """
+
+    def __init__(self, tree: Any):
+        leaves = jax.tree_util.tree_leaves(tree)
+        self._thread: threading.Thread | None = None
+        if not all(isinstance(leaf, jax.Array) for leaf in leaves) or _digests_on_host(leaves):
+            return
+        abstract = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
+            for a in leaves
+        ]
+        groups = [[abstract[i] for i in indices] for indices in _device_groups(leaves)]
+        self._thread = threading.Thread(
+            target=_compile_quietly, args=(groups,), name="meshkit-digest-compile", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Returns once the compile is done (at once where there was none)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _compile_quietly(groups: list[list[jax.ShapeDtypeStruct]]) -> None:
+    for group in groups:
+        with contextlib.suppress(Exception):  # the digest's own call raises it, in context
+            _digest_leaves.lower(group).compile()
 
 
 def digest_damage(saved: dict[str, list[int]], tree: Any) -> str:

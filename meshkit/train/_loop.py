@@ -377,7 +377,9 @@ def _check_start(first: int, num_steps: int, *, given: bool) -> None:
 
 def _resume(checkpointer: Checkpointer, state: TrainState, *, say: bool) -> Restored | None:
     """The newest intact checkpoint restored into ``state``'s layout (``None``: none),
-    said in a line where ``say``."""
+    said in a line where ``say``. The checkpoint digest starts compiling first, for the
+    restore's check and the run's saves, while the checkpoint is read or the step compiles."""
+    checkpointer.prepare(state)
     resumed = checkpointer.resume(state)
     if resumed is not None and say and jax.process_index() == 0:
         print(f"Resumed from step {resumed.step} ({checkpointer.directory})", flush=True)
