@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import errno
 import json
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from etils import epath
@@ -79,7 +80,10 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
     parser.add_argument(
-        "--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up"
+        "--warmup-steps",
+        type=non_negative_int,
+        default=0,
+        help="steps of linear learning-rate warm-up",
     )
     parser.add_argument(
         "--tensorboard",
@@ -274,15 +278,55 @@ def learning_rate_schedule(args: argparse.Namespace) -> Any:
     return optax.join_schedules([warmup, constant], [args.warmup_steps])
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1 (``--steps``, ``--microbatches``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low``; argparse's error names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+"""An argparse type: a whole number of at least 1 (``--steps``, ``--batch-size``)."""
+non_negative_int = int_at_least(0)
+"""An argparse type: a whole number of at least 0 (``--workers``, ``--warmup-steps``)."""
+
+
+def float_in(
+    low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = True
+) -> Callable[[str], float]:
+    """An argparse type: a number from ``low`` to ``high``, each end in or out of range."""
+    shown = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if high == math.inf:
+        shown = f"above {low:g}" if low_open else f"at least {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        above = low < value if low_open else low <= value
+        below = value < high if high_open else value <= high
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"must be {shown}, got {text}")
+        return value
+
+    return parse
+
+
+positive_float = float_in(0.0, low_open=True)
+"""An argparse type: a number above 0 (``--learning-rate``, ``--tol``)."""
+non_negative_float = float_in(0.0)
+"""An argparse type: a number of at least 0 (``--weight-decay``)."""
+fraction = float_in(0.0, 1.0)
+"""An argparse type: a number in [0, 1) (``--momentum``, ``--dropout-rate``)."""
 
 
 def _step_range(text: str) -> tuple[int, int]:

@@ -52,9 +52,11 @@ from recipes._args import (
     add_input_options,
     add_training_options,
     fit_options,
+    fraction,
     hyperparameters,
     learning_rate_schedule,
     make_mesh,
+    positive_float,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -82,13 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all_reduce",
         help="ordered: gradients added in device order, the same bits on 1 x 8 and 2 x 4",
     )
-    parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--learning-rate", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--learning-rate", type=positive_float, default=0.05)
+    parser.add_argument("--momentum", type=fraction, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=positive_int, default=100)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=100)
     add_training_options(parser)
     add_input_options(parser)
     return parser.parse_args(argv)

@@ -45,8 +45,10 @@ from recipes._args import (
     add_input_options,
     add_training_options,
     fit_options,
+    fraction,
     hyperparameters,
     learning_rate_schedule,
+    positive_float,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -59,7 +61,7 @@ from recipes._args import (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = recipe_parser(__doc__, workdir="workdir/ensemble", progress=True, resumes=True)
-    parser.add_argument("--members", type=int, default=8, help="ensemble size K")
+    parser.add_argument("--members", type=positive_int, default=8, help="ensemble size K")
     parser.add_argument(
         "--mesh",
         default="auto",
@@ -74,13 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every member trains on the same batches, as in the Flax ensembling HOWTO "
         "(default: each member visits the data in its own order)",
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--learning-rate", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--learning-rate", type=positive_float, default=0.1)
+    parser.add_argument("--momentum", type=fraction, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=None)
-    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--eval-every", type=positive_int, default=None)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=None)
     add_training_options(parser)
     add_input_options(parser)
     return parser.parse_args(argv)

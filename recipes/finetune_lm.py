@@ -47,6 +47,8 @@ from recipes._args import (
     hyperparameters,
     learning_rate_schedule,
     make_mesh,
+    non_negative_float,
+    positive_float,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -87,8 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--length", type=positive_int, default=128, help="tokens per window")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=300)
-    parser.add_argument("--learning-rate", type=float, help="default: 3e-3, or 2e-5 with --hf-dir")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument(
+        "--learning-rate", type=positive_float, help="default: 3e-3, or 2e-5 with --hf-dir"
+    )
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=positive_int, default=100)
     add_training_options(parser)

@@ -28,13 +28,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import meshkit
-from recipes._args import make_mesh, recipe_parser, setup_errors_in_one_line
+from recipes._args import make_mesh, positive_int, recipe_parser, setup_errors_in_one_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = recipe_parser(__doc__, workdir="workdir/full_eval", progress=True)
-    parser.add_argument("--batch-size", type=int, default=64, help="global eval batch size")
-    parser.add_argument("--train-steps", type=int, default=150)
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=64, help="global eval batch size"
+    )
+    parser.add_argument("--train-steps", type=positive_int, default=150)
     parser.add_argument("--mesh", default="data=-1")
     return parser.parse_args(argv)
 

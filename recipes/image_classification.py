@@ -61,9 +61,15 @@ from recipes._args import (
     add_input_options,
     add_training_options,
     fit_options,
+    float_in,
+    fraction,
     hyperparameters,
+    int_at_least,
     learning_rate_schedule,
     make_mesh,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -82,7 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", default="resnet18", choices=MODELS)
     parser.add_argument("--data-dir", type=Path, help="folder with train and test image records")
-    parser.add_argument("--image-size", type=int, default=32, help="training and test image side")
+    parser.add_argument(
+        "--image-size", type=int_at_least(8), default=32, help="training and test image side"
+    )
     parser.add_argument(
         "--width",
         type=int,
@@ -91,17 +99,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--mesh", default="data=-1", help="mesh axes, e.g. data=4,model=2")
     parser.add_argument("--rules", choices=["replicated", "fsdp"], default="replicated")
-    parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=240)
     parser.add_argument(
         "--optimizer", choices=["sgd", "adamw"], help="default: sgd for ResNets, adamw for ViTs"
     )
-    parser.add_argument("--learning-rate", type=float, help="default: 0.1 (sgd), 0.001 (adamw)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="sgd's momentum")
     parser.add_argument(
-        "--weight-decay", type=float, help="default: 5e-4 (sgd), 0.05 (adamw, decoupled)"
+        "--learning-rate", type=positive_float, help="default: 0.1 (sgd), 0.001 (adamw)"
     )
-    parser.add_argument("--min-crop", type=float, default=0.35, help="smallest crop area share")
+    parser.add_argument("--momentum", type=fraction, default=0.9, help="sgd's momentum")
+    parser.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        help="default: 5e-4 (sgd), 0.05 (adamw, decoupled)",
+    )
+    parser.add_argument(
+        "--min-crop",
+        type=float_in(0.0, 1.0, low_open=True, high_open=False),
+        default=0.35,
+        help="smallest crop area share",
+    )
     parser.add_argument(
         "--flip",
         action=argparse.BooleanOptionalAction,
@@ -115,14 +132,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "below 128 pixels a side, else host)",
     )
     parser.add_argument(
-        "--threads", type=int, help="input threads per process (default: input_settings)"
+        "--threads",
+        type=non_negative_int,
+        help="input threads per process (default: input_settings)",
     )
     parser.add_argument(
-        "--workers", type=int, help="Grain worker processes per process (default: input_settings)"
+        "--workers",
+        type=non_negative_int,
+        help="Grain worker processes per process (default: input_settings)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=120)
-    parser.add_argument("--checkpoint-every", type=int, default=120)
+    parser.add_argument("--eval-every", type=positive_int, default=120)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=120)
     add_training_options(parser)
     add_input_options(
         parser,
@@ -193,8 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         records = data.write_digits_images(scratch.name, size=args.image_size)
     else:
         records = {split: args.data_dir / f"{split}.array_record" for split in ("train", "test")}
-    train_source = data.image_records(records["train"])
-    test_source = data.image_records(records["test"])
+        if missing := [path.name for path in records.values() if not path.is_file()]:
+            raise SystemExit(
+                f"--data-dir {args.data_dir} holds no {' and no '.join(missing)}. Write them "
+                "from image folders with python -m meshkit.data.convert images --from-folder "
+                f"ROOT/train --out {args.data_dir}/train.array_record (and the same for test, "
+                f"adding --class-names-from {args.data_dir}/train.array_record)."
+            )
+    with setup_errors_in_one_line():  # records without their sidecar, say
+        train_source = data.image_records(records["train"])
+        test_source = data.image_records(records["test"])
     if train_source.class_names != test_source.class_names:
         raise SystemExit(
             f"The train and test records name different classes ({train_source.class_names} "

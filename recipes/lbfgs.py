@@ -41,18 +41,24 @@ from pathlib import Path
 from typing import Any
 
 import meshkit
-from recipes._args import recipe_parser, setup_errors_in_one_line
+from recipes._args import (
+    int_at_least,
+    positive_float,
+    positive_int,
+    recipe_parser,
+    setup_errors_in_one_line,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = recipe_parser(__doc__, workdir="workdir/lbfgs")
-    parser.add_argument("--num-samples", type=int, default=50_000)
-    parser.add_argument("--num-features", type=int, default=784)
-    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--num-samples", type=positive_int, default=50_000)
+    parser.add_argument("--num-features", type=positive_int, default=784)
+    parser.add_argument("--num-classes", type=int_at_least(2), default=10)
     parser.add_argument(
         "--maxiter", type=int, default=100, help="iterations per run (the notebook: 100)"
     )
-    parser.add_argument("--tol", type=float, default=1e-3, help="report when ||g|| <= tol")
+    parser.add_argument("--tol", type=positive_float, default=1e-3, help="report when ||g|| <= tol")
     parser.add_argument("--no-single", action="store_true", help="skip the single-device run")
     return parser.parse_args(argv)
 

@@ -36,7 +36,7 @@ import time
 from typing import Any, get_args
 
 from meshkit.models import RematPolicy, llama_architecture
-from recipes._args import recipe_parser
+from recipes._args import positive_int, recipe_parser
 
 SIZES: dict[str, dict[str, Any]] = {
     "1.3b": {"num_layers": 24, "embed_dim": 2048, "num_heads": 16, "mlp_dim": 8192,
@@ -66,8 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the parameters' dtype (bf16: AdamW's state stays float32)",
     )
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated names")
-    parser.add_argument("--length", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--batch-size", type=int, default=256, help="global batch, sequences")
+    parser.add_argument("--length", type=positive_int, default=2048, help="tokens per sequence")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=256, help="global batch, sequences"
+    )
     parser.add_argument(
         "--remat",
         nargs="+",

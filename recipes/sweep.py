@@ -74,10 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "steps; stopped slots restart with new points from the space",
     )
     parser.add_argument("--steps", type=positive_int, default=150)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="global batch size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32")
-    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--microbatches", type=positive_int, default=1)
     parser.add_argument(
         "--slice",
         type=slice_of,

@@ -40,9 +40,12 @@ import meshkit
 from recipes._args import (
     add_training_options,
     fit_options,
+    fraction,
     hyperparameters,
     learning_rate_schedule,
     make_mesh,
+    non_negative_float,
+    positive_float,
     positive_int,
     recipe_parser,
     run_errors_in_one_line,
@@ -92,23 +95,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plan the layouts of these devices for --plan-for first and train with the best",
     )
     parser.add_argument("--plan-for", default="h100", help="the accelerator --plan sizes for")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--embed-dim", type=int, default=128)
-    parser.add_argument("--mlp-dim", type=int, default=512)
-    parser.add_argument("--length", type=int, default=128, help="context length in bytes")
-    parser.add_argument("--dropout-rate", type=float, default=0.0)
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    parser.add_argument("--num-layers", type=positive_int, default=2)
+    parser.add_argument("--num-heads", type=positive_int, default=4)
+    parser.add_argument("--embed-dim", type=positive_int, default=128)
+    parser.add_argument("--mlp-dim", type=positive_int, default=512)
+    parser.add_argument("--length", type=positive_int, default=128, help="context length in bytes")
+    parser.add_argument("--dropout-rate", type=fraction, default=0.0)
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
     parser.add_argument("--steps", type=positive_int, default=1200)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--learning-rate", type=positive_float, default=3e-3)
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=None, help="default: at the end")
-    parser.add_argument("--checkpoint-every", type=int, default=400)
+    parser.add_argument("--eval-every", type=positive_int, default=None, help="default: at the end")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=400)
     parser.add_argument("--sample-prompt", default="The ", help="text the sample starts from")
     add_training_options(parser)
     parser.set_defaults(lr_schedule="cosine", warmup_steps=None)
     args = parser.parse_args(argv)
+    if args.embed_dim % args.num_heads:
+        parser.error(
+            f"--embed-dim {args.embed_dim} does not split into --num-heads {args.num_heads} "
+            "heads of equal width: choose a number of heads that divides it."
+        )
     if args.warmup_steps is None:  # 60 steps, or a twentieth of a shorter run
         args.warmup_steps = min(60, args.steps // 20)
     return args
@@ -287,21 +295,24 @@ def main(argv: list[str] | None = None) -> int:
         module = module.clone(remat=layout.remat)
         args.microbatches = layout.microbatches
     batch_sharding = meshkit.batch_sharding(mesh, data_axes)
-    train_source = data.reference_text("train", length=args.length)
-    test_source = data.reference_text("test", length=args.length)
-    pipeline = data.TrainPipeline(
-        train_source, global_batch_size=args.batch_size, sharding=batch_sharding, seed=args.seed
-    )
-    eval_pipeline = data.EvalPipeline(
-        test_source, global_batch_size=args.batch_size, sharding=batch_sharding
-    )
-    state = create_state(module, tx, mesh, seed=args.seed, precision=args.precision, rules=rules)
-    step = train.make_train_step(
-        next_token_loss,
-        train.state_shardings_of(state),
-        batch_sharding,
-        microbatches=args.microbatches,
-    )
+    with setup_errors_in_one_line():  # a batch the data axes do not divide, say
+        train_source = data.reference_text("train", length=args.length)
+        test_source = data.reference_text("test", length=args.length)
+        pipeline = data.TrainPipeline(
+            train_source, global_batch_size=args.batch_size, sharding=batch_sharding, seed=args.seed
+        )
+        eval_pipeline = data.EvalPipeline(
+            test_source, global_batch_size=args.batch_size, sharding=batch_sharding
+        )
+        state = create_state(
+            module, tx, mesh, seed=args.seed, precision=args.precision, rules=rules
+        )
+        step = train.make_train_step(
+            next_token_loss,
+            train.state_shardings_of(state),
+            batch_sharding,
+            microbatches=args.microbatches,
+        )
     start_run(args, mesh)  # a changed rerun stops here; a finished one ends here
     if jax.process_index() == 0:
         print(rules)

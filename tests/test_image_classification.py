@@ -90,3 +90,18 @@ def test_converted_image_folder_trains_alike_on_one_and_two_processes(tmp_path):
     np.testing.assert_allclose(two["final_train_loss"], one["final_train_loss"], rtol=1e-5)
     np.testing.assert_allclose(two["test_loss"], one["test_loss"], rtol=1e-5)
     assert two["test_accuracy"] == one["test_accuracy"]
+
+
+@pytest.mark.once
+def test_a_data_dir_without_records_ends_in_one_line_naming_the_flag(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.image_classification", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    said = out.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"--data-dir {tmp_path} holds no train.array_record and no test."), said
+    assert "python -m meshkit.data.convert images --from-folder" in said

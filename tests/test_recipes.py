@@ -151,6 +151,50 @@ def test_zero_steps_or_micro_batches_are_refused_by_name(recipe, capsys):
             )
 
 
+OUT_OF_RANGE = [  # recipe, flag, a value out of its range, what the refusal says
+    ("data_parallel", "--batch-size", "0", "must be at least 1, got 0"),
+    ("data_parallel", "--eval-every", "0", "must be at least 1, got 0"),
+    ("data_parallel", "--checkpoint-every", "-5", "must be at least 1, got -5"),
+    ("data_parallel", "--learning-rate", "0", "must be above 0, got 0"),
+    ("data_parallel", "--momentum", "1", "must be in [0, 1), got 1"),
+    ("data_parallel", "--warmup-steps", "-1", "must be at least 0, got -1"),
+    ("ensemble", "--members", "0", "must be at least 1, got 0"),
+    ("full_eval", "--train-steps", "-1", "must be at least 1, got -1"),
+    ("image_classification", "--image-size", "4", "must be at least 8, got 4"),
+    ("image_classification", "--workers", "-1", "must be at least 0, got -1"),
+    ("image_classification", "--min-crop", "1.5", "must be in (0, 1], got 1.5"),
+    ("image_classification", "--weight-decay", "x", "expected a number, got 'x'"),
+    ("lbfgs", "--num-classes", "1", "must be at least 2, got 1"),
+    ("lbfgs", "--tol", "-1", "must be above 0, got -1"),
+    ("transformer_lm", "--dropout-rate", "1.0", "must be in [0, 1), got 1.0"),
+    ("finetune_lm", "--weight-decay", "-1", "must be at least 0, got -1"),
+    ("plan", "--length", "0", "must be at least 1, got 0"),
+    ("sweep", "--microbatches", "0", "must be at least 1, got 0"),
+]
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(("recipe", "flag", "value", "said"), OUT_OF_RANGE)
+def test_a_number_out_of_range_is_refused_naming_its_flag(recipe, flag, value, said, capsys):
+    """Before anything runs: argparse's two lines (usage, then the flag and the range),
+    not a traceback from deep inside the run."""
+    import importlib
+
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(f"recipes.{recipe}").parse_args([flag, value])
+    assert stopped.value.code == 2
+    assert f"argument {flag}: {said}" in capsys.readouterr().err
+
+
+@pytest.mark.once
+def test_transformer_heads_that_do_not_divide_the_width_are_refused_by_name(capsys):
+    from recipes.transformer_lm import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--num-heads", "3"])
+    assert "--embed-dim 128 does not split into --num-heads 3 heads" in capsys.readouterr().err
+
+
 @pytest.mark.once
 def test_image_input_and_augmentation_settings_that_conflict_are_refused_in_one_line(capsys):
     from recipes.image_classification import parse_args
