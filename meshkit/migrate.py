@@ -27,8 +27,9 @@ import ast
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 GUIDE = "docs/pmap.md#what-replaces-what"
 
@@ -162,31 +163,44 @@ def _is_first_item_lambda(node: ast.expr) -> bool:
 TREE_MAPS = ("jax.tree_util.tree_map", "jax.tree.map", "jax.tree_map")
 
 
-class _Finder(ast.NodeVisitor):
+class _Finder:
+    """The idioms in a tree. Each check returns whether to look inside its node; the
+    walk keeps its own stack, so a chain of hundreds of ``+`` (generated code, such as
+    sympy's lookup tables) is checked like any other expression."""
+
     def __init__(self, path: str, imports: dict[str, str], cell: int | None = None):
         self.path = path
         self.imports = imports
         self.cell = cell
         self.findings: list[Finding] = []
 
+    def visit(self, tree: ast.AST) -> None:
+        checks: dict[type, Callable[[Any], bool]] = {
+            ast.Attribute: self._name,
+            ast.Name: self._name,
+            ast.Call: self._call,
+            ast.BinOp: self._arithmetic,
+            ast.ClassDef: self._class,
+        }
+        stack = [tree]
+        while stack:
+            node = stack.pop()
+            check = checks.get(type(node))
+            if check is None or check(node):
+                stack.extend(ast.iter_child_nodes(node))
+
     def add(self, node: ast.AST, idiom: str, replacement: str) -> None:
         line = getattr(node, "lineno", 0)
         self.findings.append(Finding(self.path, line, idiom, replacement, self.cell))
 
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        self._name(node)
-
-    def visit_Name(self, node: ast.Name) -> None:
-        self._name(node)
-
-    def _name(self, node: ast.Attribute | ast.Name) -> None:
+    def _name(self, node: ast.Attribute | ast.Name) -> bool:
         name = _dotted(node, self.imports)
         if name in CALLS:
             self.add(node, name, CALLS[name])
-        else:
-            self.generic_visit(node)
+            return False
+        return True
 
-    def visit_Call(self, node: ast.Call) -> None:
+    def _call(self, node: ast.Call) -> bool:
         name = _dotted(node.func, self.imports) or ""
         short = name.split(".")[-1]
         if short in CALL_NAMES:
@@ -202,7 +216,7 @@ class _Finder(ast.NodeVisitor):
                 "the model and wrap it: meshkit.train.per_device(model, mesh, axis_name=...))",
             )
         self._call_patterns(node, name, short)
-        self.generic_visit(node)
+        return True
 
     def _call_patterns(self, node: ast.Call, name: str, short: str) -> None:
         """The idioms written with ordinary calls: by their shape, not their name."""
@@ -235,7 +249,7 @@ class _Finder(ast.NodeVisitor):
                 "(meshkit.shard_batch, TrainPipeline(global_batch_size=...))",
             )
 
-    def visit_BinOp(self, node: ast.BinOp) -> None:
+    def _arithmetic(self, node: ast.BinOp) -> bool:
         divisor = node.right
         if (
             isinstance(node.op, (ast.FloorDiv, ast.Div))
@@ -248,7 +262,7 @@ class _Finder(ast.NodeVisitor):
                 "the global batch size: TrainPipeline(global_batch_size=...) gives each "
                 "process its rows (meshkit.data_shard says which)",
             )
-            return
+            return False
         if isinstance(node.op, ast.Mult) and (
             _is_device_count(node.left, self.imports) or _is_device_count(node.right, self.imports)
         ):
@@ -257,10 +271,10 @@ class _Finder(ast.NodeVisitor):
                 "a value scaled by the device count",
                 "scale by the global batch size instead (it stays the same when devices change)",
             )
-            return
-        self.generic_visit(node)
+            return False
+        return True
 
-    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+    def _class(self, node: ast.ClassDef) -> bool:
         bases = [(_dotted(base, self.imports) or "").split(".")[-1] for base in node.bases]
         fields = [
             item.target.id
@@ -273,7 +287,7 @@ class _Finder(ast.NodeVisitor):
                 "a TrainState subclass with batch_stats",
                 "meshkit.train.TrainState: batch_stats live in state.collections",
             )
-        self.generic_visit(node)
+        return True
 
 
 def scan_source(source: str | bytes, path: str = "<source>") -> list[Finding]:
@@ -413,7 +427,7 @@ def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> 
                 findings += scan_notebook(path.read_bytes(), str(path), unreadable=unreadable)
             else:
                 findings += scan_source(path.read_bytes(), str(path))
-        except (SyntaxError, ValueError) as error:  # ValueError: null bytes in older Pythons
+        except (SyntaxError, ValueError, RecursionError) as error:  # ValueError: null bytes
             reason = f"{path}: not checked, {_unreadable(error)}"
             if unreadable is None:
                 raise SyntaxError(reason) from None
@@ -425,6 +439,8 @@ def _unreadable(error: Exception) -> str:
     """Why a file could not be read as Python, in a few words."""
     if isinstance(error, NotANotebookError):
         return str(error)
+    if isinstance(error, RecursionError):  # thousands of terms in one expression
+        return "an expression nested too deeply for Python's own parser to build its tree"
     message = getattr(error, "msg", None) or str(error)
     line = getattr(error, "lineno", None)
     where = f" at line {line}" if line else ""

@@ -193,6 +193,24 @@ def step(x):
     }
 
 
+def test_an_expression_hundreds_of_terms_deep_is_checked_to_its_last_term(tmp_path: Path):
+    """Generated code (sympy ships such tables) nests deeper than a recursive walk of
+    the tree can go; the checker keeps its own stack and finds the idiom at the bottom.
+    A file too deep for Python's parser itself is one line of the files not checked."""
+    terms = " + ".join(f"x{i}" for i in range(900))
+    source = f"import jax\nbatch = 64 * jax.device_count() + {terms}\n"
+    assert found(migrate.scan_source(source, "table.py")) == {
+        "a value scaled by the device count": {2}
+    }
+    (tmp_path / "deeper.py").write_text("y = " + " + ".join(f"x{i}" for i in range(20000)))
+    unreadable: list[str] = []
+    assert migrate.scan_paths([str(tmp_path)], unreadable=unreadable) == []
+    assert unreadable == [
+        f"{tmp_path / 'deeper.py'}: not checked, an expression nested too deeply for "
+        "Python's own parser to build its tree"
+    ]
+
+
 def test_unreadable_files_are_reported_in_one_line_each_and_the_scan_goes_on(
     tmp_path: Path, capsys
 ):
