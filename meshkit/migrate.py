@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 GUIDE = "docs/pmap.md#what-replaces-what"
 
 # full dotted name -> what replaces it
@@ -388,8 +390,10 @@ HANDLED = "# meshkit: ok"
 """A line ending in this comment is not reported: its idiom was looked at and kept."""
 
 
-SKIPPED_FOLDERS = (".venv", ".ipynb_checkpoints", ".git")
-"""Folders a scan does not enter: a virtual environment, Jupyter's autosaves, git's."""
+SKIPPED_FOLDERS = (".venv", "site-packages", ".nox", ".tox", ".ipynb_checkpoints", ".git")
+"""Folders a scan of a folder does not enter: installed packages (a virtual environment,
+nox's and tox's), Jupyter's autosaves, git's. A folder named on the command line is
+scanned whatever its name."""
 
 
 def _python_files(paths: Sequence[str]) -> Iterator[Path]:
@@ -401,14 +405,18 @@ def _python_files(paths: Sequence[str]) -> Iterator[Path]:
                 p
                 for pattern in ("*.py", "*.ipynb")
                 for p in path.rglob(pattern)
-                if not set(SKIPPED_FOLDERS) & set(p.parts)
+                if not set(SKIPPED_FOLDERS) & set(p.relative_to(path).parts)
             )
         else:
             yield path
 
 
-def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> list[Finding]:
+def scan_paths(
+    paths: Sequence[str], *, unreadable: list[str] | None = None, progress: bool = False
+) -> list[Finding]:
     """Every pmap-era idiom in the Python files at ``paths`` (files or folders).
+
+    ``progress`` shows a bar of the files checked on standard error.
 
     A file that is not Python this checker can read (a binary, a text in an encoding
     its coding line does not declare, a syntax error) is skipped with one line in
@@ -419,7 +427,8 @@ def scan_paths(paths: Sequence[str], *, unreadable: list[str] | None = None) -> 
       FileNotFoundError: a path does not exist.
     """
     findings: list[Finding] = []
-    for path in _python_files(paths):
+    files = list(_python_files(paths))
+    for path in tqdm(files, unit="file", leave=False, disable=not progress or len(files) < 2):
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such file or folder to check.")
         try:
@@ -468,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     unreadable: list[str] = []
     try:
-        findings = scan_paths(args.paths, unreadable=unreadable)
+        findings = scan_paths(args.paths, unreadable=unreadable, progress=sys.stderr.isatty())
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -211,6 +211,16 @@ def test_an_expression_hundreds_of_terms_deep_is_checked_to_its_last_term(tmp_pa
     ]
 
 
+def test_a_project_scan_skips_installed_packages_unless_they_are_named(tmp_path: Path):
+    pmap = "import jax\nstep = jax.pmap(lambda x: x)\n"
+    installed = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "pkg"
+    for folder in (tmp_path, installed, tmp_path / ".nox" / "tests"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "train.py").write_text(pmap)
+    assert {f.path for f in migrate.scan_paths([str(tmp_path)])} == {str(tmp_path / "train.py")}
+    assert {f.path for f in migrate.scan_paths([str(installed)])} == {str(installed / "train.py")}
+
+
 def test_unreadable_files_are_reported_in_one_line_each_and_the_scan_goes_on(
     tmp_path: Path, capsys
 ):
