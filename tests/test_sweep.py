@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -430,15 +431,27 @@ def test_a_killed_pbt_sweep_resumes_to_the_same_table(tmp_path: Path, monkeypatc
     ):
         np.testing.assert_array_equal(got, want[best.slot])
     import matplotlib
+    from matplotlib.colors import to_hex
+    from matplotlib.patches import Rectangle
 
     before = matplotlib.get_backend()
     matplotlib.use("svg")  # the caller's backend (a notebook's, say) is left as it is
     try:
-        whole.plot(tmp_path / "sweep.png")
+        curves = whole.plot(tmp_path / "sweep.png")
         assert matplotlib.get_backend() == "svg"
+        last_only = [dataclasses.replace(t, history=t.history[-1:]) for t in whole.trials]
+        ranks = dataclasses.replace(whole, trials=last_only).plot(tmp_path / "ranks.png")
     finally:
         matplotlib.use(before)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    evaluated = [t for t in whole.trials if t.history]
+    assert len(curves.axes[1].lines) == len(evaluated)  # several evaluations: a curve each
+    bars = [bar for bar in ranks.axes[1].patches if isinstance(bar, Rectangle)]  # a bar each
+    assert [bar.get_width() for bar in bars] == [
+        t.history[-1][1] for t in whole.ranked() if t.history
+    ]
+    red = [to_hex(bar.get_facecolor()) == to_hex("tab:red") for bar in bars]
+    assert red == [t.id == best.id for t in whole.ranked() if t.history] and red[0]
 
 
 @pytest.mark.once

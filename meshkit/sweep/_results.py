@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -15,6 +15,9 @@ from meshkit.ensemble import member_state
 from meshkit.sweep._schedules import Mode
 from meshkit.sweep._space import Point
 from meshkit.train import TrainState
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def rank_key(status: str, score: float | None, mode: str) -> tuple[bool, float]:
@@ -274,8 +277,10 @@ class SweepResult:
                         curve.append((int(record["step"]), float(value)))
         return curves
 
-    def plot(self, path: PathLike) -> None:
-        """A PNG: each slot's training loss, and each trial's score at the evaluations.
+    def plot(self, path: PathLike) -> Figure:
+        """A PNG: each slot's training loss, and each trial's score at the evaluations
+        (the trials ranked, as bars, where each was evaluated once); returns the
+        matplotlib ``Figure``.
 
         The winner is drawn thick and coloured, the others thin and grey; a trial that
         copied another (population-based training) starts from its parent's point.
@@ -299,11 +304,28 @@ class SweepResult:
                 )
         loss_axes.set(xlabel="step", ylabel="training loss", title="Members' training loss")
         loss_axes.set_yscale("log")
+        if any(len(trial.history) > 1 for trial in self.trials):
+            self._plot_score_curves(score_axes)
+        else:  # one evaluation each (a sweep without a schedule): the trials ranked
+            self._plot_score_ranks(score_axes)
+        hyper = ", ".join(f"{k}={v:.3g}" for k, v in best.point.items())
+        score_axes.set_title(f"Evaluation {self.metric}\nwinner: {hyper}", fontsize=9)
+        if loss_axes.get_legend_handles_labels()[0]:
+            loss_axes.legend(loc="upper right")
+        figure.tight_layout()
+        target = as_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("wb") as file:
+            figure.savefig(file, format="png", dpi=110)
+        return figure
+
+    def _plot_score_curves(self, axes: Any) -> None:
+        """Each trial's score at each evaluation step, the winner in red."""
         for trial in self.trials:
             if trial.history:
                 steps, values = zip(*trial.history, strict=True)
-                winner = trial.id == best.id
-                score_axes.plot(
+                winner = trial.id == self.best.id
+                axes.plot(
                     steps,
                     values,
                     marker="o",
@@ -312,18 +334,22 @@ class SweepResult:
                     linewidth=2.2 if winner else 0.8,
                     zorder=3 if winner else 1,
                 )
-        hyper = ", ".join(f"{k}={v:.3g}" for k, v in best.point.items())
-        score_axes.set(
-            xlabel="step", ylabel=self.metric, title=f"Evaluation {self.metric}; winner: {hyper}"
-        )
-        score_axes.title.set_fontsize(9)
-        if loss_axes.get_legend_handles_labels()[0]:
-            loss_axes.legend(loc="upper right")
-        figure.tight_layout()
-        target = as_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("wb") as file:
-            figure.savefig(file, format="png", dpi=110)
+        axes.set(xlabel="step", ylabel=self.metric)
+
+    def _plot_score_ranks(self, axes: Any) -> None:
+        """One bar per trial, its last score, in the table's order: the winner on top, in red."""
+        scored = [trial for trial in self.ranked() if trial.history]
+        scores = [trial.history[-1][1] for trial in scored]
+        labels = [", ".join(f"{v:.3g}" for v in trial.point.values()) for trial in scored]
+        colors = ["tab:red" if trial.id == self.best.id else "0.6" for trial in scored]
+        rows = range(len(scored))
+        axes.barh(rows, scores, color=colors)
+        axes.set_yticks(rows, labels, fontsize=max(5, min(9, 160 // max(len(scored), 1))))
+        axes.invert_yaxis()  # the best on top
+        names = ", ".join(self.trials[0].point) if self.trials else ""
+        steps = {trial.history[-1][0] for trial in scored}
+        when = f"at step {steps.pop()}" if len(steps) == 1 else "at each trial's evaluation"
+        axes.set(xlabel=f"{self.metric} {when}", ylabel=names)
 
     def hyperparameters(self, slots: Sequence[int] | None = None) -> list[Point]:
         """The point each slot holds at the end."""
