@@ -220,7 +220,9 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     }
     # A Figure of its own, not pyplot's: the caller's backend and open figures stay as
     # they are (a notebook keeps showing its plots inline).
-    figure = Figure(figsize=(max(6.0, 0.55 * len(names) + 2), 4.5))
+    upright = len(names) <= 10  # labels side by side, else slanted to fit many layouts
+    width = 1.7 * len(names) + 1.5 if upright else 0.6 * len(names) + 2.0
+    figure = Figure(figsize=(max(6.5, width), 5.0 if upright else 6.0), layout="constrained")
     axes = figure.subplots()
     bottom = [0.0] * len(names)
     for label, values in parts.items():
@@ -236,17 +238,39 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     if chosen is not None:  # the plan's choice, outlined, with its name above the bar
         axes.bar(chosen, bottom[chosen], fill=False, edgecolor="black", linewidth=2)
         axes.annotate("chosen", (chosen, bottom[chosen]), ha="center", va="bottom", fontsize=7)
-    axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    labels = [name.replace(" ", "\n") for name in names]  # the mesh, then its remat policy
+    if upright:
+        axes.set_xticks(range(len(names)), labels, fontsize=7)
+    else:
+        axes.set_xticks(range(len(names)), names, fontsize=7, rotation=60, ha="right")
     axes.set_ylabel(f"{unit} per device")
     figure.suptitle(f"{plan.target.devices} x {plan.target.chip.description}")
     times = axes.twinx()  # the estimated step time of every layout the compiler compiled
+    _plot_step_times(times, reports)
+    # Headroom above the bars and the step times, for the "chosen" mark.
+    tallest = max([*bottom, capacity if on_scale else 0.0])
+    axes.set_ylim(0, (tallest or 1.0) * 1.15)
+    times.set_ylim(0, times.get_ylim()[1] * 1.15)
+    handles, legend_labels = axes.get_legend_handles_labels()
+    more, more_labels = times.get_legend_handles_labels()
+    figure.legend(  # below the plot: nothing drawn under it
+        handles + more, legend_labels + more_labels, loc="outside lower center", ncol=3, fontsize=7
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _plot_step_times(axes: Any, reports: list[Any]) -> None:
+    """Each compiled layout's estimated step time and its range, as diamonds on ``axes``."""
     known = [(i, r) for i, r in enumerate(reports) if not r.measurement.error]
     time_unit, per_time = unit_for([r.estimated_step_seconds for _, r in known], TIME_UNITS)
     if known:
         steps = [r.estimated_step_seconds for _, r in known]
         below = [r.estimated_step_seconds - r.step_seconds_range[0] for _, r in known]
         above = [r.step_seconds_range[1] - r.estimated_step_seconds for _, r in known]
-        times.errorbar(
+        axes.errorbar(
             [i for i, _ in known],
             [step / per_time for step in steps],
             yerr=[[b / per_time for b in below], [a / per_time for a in above]],
@@ -255,17 +279,6 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
             capsize=3,
             label="step time and its range (right)",
         )
-    times.set_ylabel(f"estimated {time_unit} per step")
-    # Headroom above the bars and the step times, for the "chosen" mark and the legend.
-    tallest = max([*bottom, capacity if on_scale else 0.0])
-    axes.set_ylim(0, (tallest or 1.0) * 1.2)
     slowest = max((r.step_seconds_range[1] / per_time for _, r in known), default=1.0)
-    times.set_ylim(0, slowest * 1.6)
-    handles, labels = axes.get_legend_handles_labels()
-    more, more_labels = times.get_legend_handles_labels()
-    axes.legend(handles + more, labels + more_labels, fontsize=7)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    axes.set_ylim(0, slowest)
+    axes.set_ylabel(f"estimated {time_unit} per step")
