@@ -243,22 +243,21 @@ def test_steps_per_dispatch_must_be_a_positive_int_or_auto(value):
 # Timings recorded on this 2-core machine (seconds per step), with the choice they made.
 RECORDED = {
     "tiny MLP, 1 CPU device": (
-        Calibration(one=361e-6, queuing=300e-6, probe_steps=50, chunk=54e-6),
+        Calibration(one=361e-6, probe_steps=50, chunk=54e-6),
         50,
     ),
     "tiny MLP, 8 CPU devices": (
-        Calibration(one=11e-3, queuing=4.1e-3, probe_steps=60, chunk=4.7e-3),
+        Calibration(one=11e-3, probe_steps=60, chunk=4.7e-3),
         60,
     ),
-    "MNIST CNN, 8 CPU devices": (Calibration(one=35e-3, queuing=0.5e-3, probe_steps=16), 1),
+    "MNIST CNN, 8 CPU devices": (Calibration(one=35e-3, probe_steps=16), 1),
     "unrolled CNN chunk, slower per step": (
-        Calibration(one=31e-3, queuing=2e-3, probe_steps=16, chunk=48e-3),
+        Calibration(one=31e-3, probe_steps=16, chunk=48e-3),
         1,
     ),
-    # one NVIDIA H200 (fit_overhead's recorded run; the summary line gives no queuing,
-    # which the choice does not read)
-    "tiny MLP, 1 GPU": (Calibration(one=529e-6, queuing=0.0, probe_steps=50, chunk=32e-6), 50),
-    "MNIST CNN, 1 GPU": (Calibration(one=845e-6, queuing=0.0, probe_steps=60, chunk=255e-6), 60),
+    # one NVIDIA H200 (fit_overhead's recorded run)
+    "tiny MLP, 1 GPU": (Calibration(one=529e-6, probe_steps=50, chunk=32e-6), 50),
+    "MNIST CNN, 1 GPU": (Calibration(one=845e-6, probe_steps=60, chunk=255e-6), 60),
 }
 
 
@@ -271,7 +270,6 @@ def test_auto_chooses_from_recorded_timings_and_noise_does_not_flip_it(case):
     for _ in range(200):  # every figure off by up to 25% either way
         noisy = Calibration(
             one=measured.one * rng.uniform(0.75, 1.25),
-            queuing=measured.queuing * rng.uniform(0.75, 1.25),
             probe_steps=measured.probe_steps,
             chunk=None if measured.chunk is None else measured.chunk * rng.uniform(0.75, 1.25),
         )
@@ -280,10 +278,10 @@ def test_auto_chooses_from_recorded_timings_and_noise_does_not_flip_it(case):
 
 @pytest.mark.once
 def test_an_untimed_or_barely_faster_chunk_leaves_one_step_per_dispatch():
-    assert choose_steps(Calibration(one=15e-3, queuing=5e-3, probe_steps=50)) == 1  # untimed
-    assert choose_steps(Calibration(15e-3, 5e-3, 50, chunk=14e-3)) == 1  # 7% faster: kept
-    assert choose_steps(Calibration(15e-3, 5e-3, 50, chunk=11e-3)) == 50
-    no_room = Calibration(one=15e-3, queuing=0.2e-3, probe_steps=1)
+    assert choose_steps(Calibration(one=15e-3, probe_steps=50)) == 1  # untimed
+    assert choose_steps(Calibration(15e-3, 50, chunk=14e-3)) == 1  # 7% faster: kept
+    assert choose_steps(Calibration(15e-3, 50, chunk=11e-3)) == 50
+    no_room = Calibration(one=15e-3, probe_steps=1)
     assert describe_dispatch(1, no_room, auto=True) == (
         "1 step per dispatch (auto: 15 ms per step; no chunk fits between the boundaries)"
     )

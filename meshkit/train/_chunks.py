@@ -165,10 +165,6 @@ CHUNK_GAIN = 0.9
 of a one-step dispatch's time: a chunk that is about as fast is not worth its compile,
 and a timing's noise cannot flip the choice between two sizes that differ by more."""
 
-WARM_STEPS = 4
-"""One-step dispatches after the first (which compiles), each on idle devices: the
-least host time one takes is ``Calibration.queuing``."""
-
 TIMED_STEPS = 24
 """One-step dispatches timed together."""
 
@@ -196,8 +192,6 @@ class Calibration:
     Attributes:
       one: wall time per step at one step per dispatch (the devices waited for at the
         end of the timed group).
-      queuing: host time a one-step dispatch takes to build its input and queue its
-        program on idle devices (the least of a few): what a chunk can save per step.
       probe_steps: the chunk size timed against them.
       chunk: wall time per step at ``probe_steps`` per dispatch, or ``None`` where no
         chunk was timed.
@@ -205,7 +199,6 @@ class Calibration:
     """
 
     one: float
-    queuing: float
     probe_steps: int
     chunk: float | None = None
     loop: Loop = "counted"
@@ -217,12 +210,12 @@ def choose_steps(measured: Calibration) -> int:
     time, else one step (the chunk was about as fast, or slower, or not timed).
 
     Examples:
-        >>> tiny = Calibration(one=340e-6, queuing=300e-6, probe_steps=50, chunk=60e-6)
+        >>> tiny = Calibration(one=340e-6, probe_steps=50, chunk=60e-6)
         >>> choose_steps(tiny)
         50
-        >>> choose_steps(Calibration(one=1e-3, queuing=0.2e-3, probe_steps=16, chunk=0.95e-3))
+        >>> choose_steps(Calibration(one=1e-3, probe_steps=16, chunk=0.95e-3))
         1
-        >>> choose_steps(Calibration(one=35e-3, queuing=0.4e-3, probe_steps=16))  # untimed
+        >>> choose_steps(Calibration(one=35e-3, probe_steps=16))  # untimed
         1
     """
     if measured.chunk is None:
@@ -236,9 +229,9 @@ def describe_dispatch(steps: int, measured: Calibration | None, *, auto: bool) -
     Examples:
         >>> describe_dispatch(1, None, auto=False)
         '1 step per dispatch'
-        >>> describe_dispatch(1, Calibration(35e-3, 0.4e-3, 1), auto=True)
+        >>> describe_dispatch(1, Calibration(35e-3, 1), auto=True)
         '1 step per dispatch (auto: 35 ms per step; no chunk fits between the boundaries)'
-        >>> describe_dispatch(50, Calibration(340e-6, 300e-6, 50, 60e-6), auto=True)
+        >>> describe_dispatch(50, Calibration(340e-6, 50, 60e-6), auto=True)
         '50 steps per dispatch (auto: 340 us per step at 1 per dispatch, 60 us at 50)'
     """
     text = f"{steps} step{'s' if steps != 1 else ''} per dispatch"

@@ -28,7 +28,6 @@ from meshkit.checkpoint._orbax import disk_full
 from meshkit.data import TrainPipeline
 from meshkit.train._chunks import (
     TIMED_STEPS,
-    WARM_STEPS,
     Calibration,
     boundary_period,
     choose_steps,
@@ -278,13 +277,12 @@ def _largest(setting: int | str, checkpoints: Checkpoints, evaluation: Evaluatio
 
 
 def _calibrate(loop: _Loop) -> Calibration | None:
-    """``'auto'``'s measurement, on the run's first steps: one-step dispatches (the
-    first compiles; the next few each start on idle devices, and the least host time
-    one took is the dispatch's cost; then a group is timed), then, after a chunk of
-    ``probe_steps`` that warms up, a timed chunk, a second one-step group and a second
-    chunk; the least of each two is what counts. The chunk runs the program already
-    compiled (a counted loop); an unrolled chunk (convolutions on CPUs), whose compile
-    grows with its steps, is never timed. ``None`` where the run ends (or stops) before the one-step
+    """``'auto'``'s measurement, on the run's first steps: the first step (it compiles),
+    a timed group of one-step dispatches, then, after a chunk of ``probe_steps`` that
+    warms up, a timed chunk, a second one-step group and a second chunk; the least of
+    each two is what counts. The chunk runs the program already compiled (a counted
+    loop); an unrolled chunk (convolutions on CPUs), whose compile grows with its
+    steps, is never timed. ``None`` where the run ends (or stops) before the one-step
     group is timed.
 
     Timed groups lie inside one segment between boundaries, so no save or evaluation
@@ -293,13 +291,11 @@ def _calibrate(loop: _Loop) -> Calibration | None:
     another's single steps, whose collectives do not match).
     """
     loop.run(1, loop.step + 1)
-    idle = [loop.idle_dispatch() for _ in range(WARM_STEPS)]
     timed = loop.timed(1, min(TIMED_STEPS, loop.segment.period))
-    if timed is None or None in idle:
+    if timed is None:
         return None
-    queuing = min(seconds for seconds in idle if seconds is not None)
     kind = loop.runner.loop
-    measured = _agreed(Calibration(timed, queuing, probe_steps(loop.segment.period), loop=kind))
+    measured = _agreed(Calibration(timed, probe_steps(loop.segment.period), loop=kind))
     if kind == "unrolled" or measured.probe_steps == 1:
         return measured
     if loop.timed(measured.probe_steps, 1) is None:  # the probe's first chunk compiles
@@ -320,12 +316,10 @@ def _agreed(measured: Calibration) -> Calibration:
     the only one."""
     if jax.process_count() == 1:
         return measured
-    mine = np.asarray([measured.one, measured.queuing, measured.chunk or 0.0])
+    mine = np.asarray([measured.one, measured.chunk or 0.0])
     slowest = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)
-    chunk = None if measured.chunk is None else float(slowest[2])
-    return dataclasses.replace(
-        measured, one=float(slowest[0]), queuing=float(slowest[1]), chunk=chunk
-    )
+    chunk = None if measured.chunk is None else float(slowest[1])
+    return dataclasses.replace(measured, one=float(slowest[0]), chunk=chunk)
 
 
 def _interrupted(loop: _Loop, checkpointer: Checkpointer) -> str:
@@ -526,7 +520,6 @@ class _Loop:
         self.elapsed = 0.0  # training time after the first step, up to the last boundary
         self._paused = 0.0  # evaluation and checkpoint time, left out of ``elapsed``
         self._first_done = 0.0
-        self.queuing_seconds = 0.0  # host time building and queuing dispatches, summed
         self._lines: LogLines | None = None  # known once the first dispatch is traced
         self._checked = start  # the last step reported to the preemption watcher
         self._drained_at: float | None = None  # when the last boundary found every step done
@@ -559,17 +552,6 @@ class _Loop:
             if self.stop_requested and not save:  # a hook at this boundary: save here
                 self._boundary(step, segment.checkpointer, evaluate=False)
 
-    def idle_dispatch(self) -> float | None:
-        """Runs one step on idle devices; returns the host's seconds building and
-        queuing it (nothing queued before it to wait for), or ``None`` where the run
-        ended or stopped first."""
-        if self.stopped or self.step >= self.segment.num_steps:
-            return None
-        jax.block_until_ready(self.state)
-        self.queuing_seconds = 0.0
-        self.run(1, self.step + 1)
-        return self.queuing_seconds
-
     def timed(self, steps_per_dispatch: int, dispatches: int) -> float | None:
         """Runs ``dispatches`` dispatches of ``steps_per_dispatch`` steps inside one
         segment, after running up to the next boundary where this one has too little
@@ -600,12 +582,10 @@ class _Loop:
             compiling = self._lines is None
             if not compiling:
                 self.stall.enter("input", first)
-            queuing = time.perf_counter()
             inputs = runner.fetch(steps, chunk)
             if not compiling:
                 self.stall.enter("devices", first)
             self.state, dispatched = runner.dispatch(self.state, inputs, first, steps)
-            self.queuing_seconds += time.perf_counter() - queuing
             if compiling:
                 jax.block_until_ready(dispatched.rows)  # the first step includes the compile
                 self._first_done = time.perf_counter()
