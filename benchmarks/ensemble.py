@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import meshkit
+from benchmarks import positive_int
 
 meshkit.distributed.initialize(cpu_devices=8)
 
@@ -340,7 +341,7 @@ def alternatives(images: np.ndarray, labels: np.ndarray) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--alternatives", action="store_true")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--rounds", type=positive_int, default=ROUNDS)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     images = rng.normal(size=(batch_size, 28, 28, 1)).astype(np.float32)

@@ -32,6 +32,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks import positive_int
 from benchmarks.quoted import markdown_table, versions
 
 CASES: dict[str, tuple[str, str, int, int, str]] = {
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(child(model, int(devices), int(steps), candidate)))
         return
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="processes per candidate")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="processes per candidate")
     parser.add_argument("--cases", default=",".join(CASES), help=f"any of {','.join(CASES)}")
     args = parser.parse_args(argv)
     keys = [key for key in args.cases.split(",") if key]

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import meshkit
+from benchmarks import positive_int
 
 meshkit.distributed.initialize(cpu_devices=8)
 
@@ -196,8 +197,8 @@ def summary(bench: Bench, name: str, steps: int, seconds: list[float]) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--steps", type=positive_int, default=STEPS)
+    parser.add_argument("--rounds", type=positive_int, default=ROUNDS)
     args = parser.parse_args(argv)
     bench = Bench()
     # One-time costs of the process (first programs, checkpoint and data machinery),
