@@ -13,6 +13,8 @@ from typing import Any
 
 from etils import epath
 
+from meshkit._help import HelpWithDefaults
+
 
 def workdir_path(value: str) -> epath.Path:
     """``--workdir``: an object-store URI as it is (``gs://...``), a local path made absolute."""
@@ -37,7 +39,9 @@ def recipe_parser(
     ``--fresh`` (see ``start_run``); with ``progress``, ``--no-progress`` to turn the
     progress bar off.
     """
-    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(doc or "").splitlines()[0], formatter_class=HelpWithDefaults
+    )
     if workdir is not None:
         parser.add_argument(
             "--workdir",

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="I/N",
         help="train only every N-th point from the I-th (0 <= I < N), e.g. "
         "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT in a job array; merge the slices' "
-        "tables with python -m meshkit.sweep merge",
+        "tables with python -m meshkit.sweep merge (default: 0/1, every point)",
     )
     # One step per dispatch: one compiled program for the whole sweep (auto adds its
     # probe's and its choice's sizes).

@@ -187,6 +187,18 @@ def test_a_number_out_of_range_is_refused_naming_its_flag(recipe, flag, value, s
 
 
 @pytest.mark.once
+def test_help_gives_every_default_zero_included(capsys):
+    from recipes.data_parallel import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal width
+    for said in ("--seed SEED (default: 0)", "--momentum MOMENTUM (default: 0.9)"):
+        assert said in shown
+    assert "global batch size (default: 128)" in shown and "--no-progress --model" in shown
+
+
+@pytest.mark.once
 def test_transformer_heads_that_do_not_divide_the_width_are_refused_by_name(capsys):
     from recipes.transformer_lm import parse_args
 

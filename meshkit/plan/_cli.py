@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast, get_args
 
+from meshkit._help import HelpWithDefaults
 from meshkit.models._remat import RematPolicy
 from meshkit.models._transformer import llama_architecture
 
@@ -58,18 +59,6 @@ def remat_policies(text: str) -> list[RematPolicy]:
     return cast(list[RematPolicy], names)
 
 
-class _WithDefaults(argparse.HelpFormatter):
-    """Help that ends each option with its default, where it has one to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if default in (None, False, argparse.SUPPRESS) or "default" in text:
-            return text
-        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
-
-
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m meshkit.plan``."""
     p = argparse.ArgumentParser(
@@ -77,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
         description="Compile candidate layouts for a target you do not have and rank them: "
         "memory per device, collectives, estimated step time. A Ctrl-C ranks the layouts "
         "planned so far (and writes --json and --png).",
-        formatter_class=_WithDefaults,
+        formatter_class=HelpWithDefaults,
     )
     p.add_argument("--model", default="gpt-1.3b", choices=sorted(MODELS), help="the model")
     p.add_argument(
