@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import errno
 import json
 import math
@@ -13,13 +14,33 @@ from typing import Any
 
 from etils import epath
 
-from meshkit._help import HelpWithDefaults
-
 
 def workdir_path(value: str) -> epath.Path:
     """``--workdir``: an object-store URI as it is (``gs://...``), a local path made absolute."""
     path = epath.Path(value)
     return path if "://" in value else path.absolute()
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """``--help`` that gives every option's default: after its help, or alone where it
+    has none (not for a flag that is off, nor where the help already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, shown = action.help or "", _shown_default(action)
+        return text if not shown or "default" in text else f"{text} ({shown})".lstrip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and (shown := _shown_default(action)):
+            action = copy.copy(action)
+            action.help = f"({shown})"
+        return super()._format_action(action)
+
+
+def _shown_default(action: argparse.Action) -> str:
+    """``default: 128``, or ``""``; a default of 0 is shown (``0 == False`` in Python)."""
+    if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+        return ""
+    return f"default: {str(action.default).replace('%', '%%')}"
 
 
 def recipe_parser(
