@@ -305,9 +305,9 @@ class SweepResult:
         loss_axes.set(xlabel="step", ylabel="training loss", title="Members' training loss")
         loss_axes.set_yscale("log")
         if any(len(trial.history) > 1 for trial in self.trials):
-            self._plot_score_curves(score_axes)
+            self._plot_score_curves(score_axes, best)
         else:  # one evaluation each (a sweep without a schedule): the trials ranked
-            self._plot_score_ranks(score_axes)
+            self._plot_score_ranks(score_axes, best)
         hyper = ", ".join(f"{k}={v:.3g}" for k, v in best.point.items())
         score_axes.set_title(f"Evaluation {self.metric}\nwinner: {hyper}", fontsize=9)
         if loss_axes.get_legend_handles_labels()[0]:
@@ -319,12 +319,12 @@ class SweepResult:
             figure.savefig(file, format="png", dpi=110)
         return figure
 
-    def _plot_score_curves(self, axes: Any) -> None:
-        """Each trial's score at each evaluation step, the winner in red."""
+    def _plot_score_curves(self, axes: Any, best: Trial) -> None:
+        """Each trial's score at each evaluation step, the winner (``best``) in red."""
         for trial in self.trials:
             if trial.history:
                 steps, values = zip(*trial.history, strict=True)
-                winner = trial.id == self.best.id
+                winner = trial.id == best.id
                 axes.plot(
                     steps,
                     values,
@@ -336,12 +336,12 @@ class SweepResult:
                 )
         axes.set(xlabel="step", ylabel=self.metric)
 
-    def _plot_score_ranks(self, axes: Any) -> None:
+    def _plot_score_ranks(self, axes: Any, best: Trial) -> None:
         """One bar per trial, its last score, in the table's order: the winner on top, in red."""
         scored = [trial for trial in self.ranked() if trial.history]
         scores = [trial.history[-1][1] for trial in scored]
         labels = [", ".join(f"{v:.3g}" for v in trial.point.values()) for trial in scored]
-        colors = ["tab:red" if trial.id == self.best.id else "0.6" for trial in scored]
+        colors = ["tab:red" if trial.id == best.id else "0.6" for trial in scored]
         rows = range(len(scored))
         axes.barh(rows, scores, color=colors)
         axes.set_yticks(rows, labels, fontsize=max(5, min(9, 160 // max(len(scored), 1))))
