@@ -247,10 +247,8 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
     figure.suptitle(f"{plan.target.devices} x {plan.target.chip.description}")
     times = axes.twinx()  # the estimated step time of every layout the compiler compiled
     _plot_step_times(times, reports)
-    # Headroom above the bars and the step times, for the "chosen" mark.
     tallest = max([*bottom, capacity if on_scale else 0.0])
-    axes.set_ylim(0, (tallest or 1.0) * 1.15)
-    times.set_ylim(0, times.get_ylim()[1] * 1.15)
+    axes.set_ylim(0, (tallest or 1.0) * 1.15)  # headroom for the "chosen" mark
     handles, legend_labels = axes.get_legend_handles_labels()
     more, more_labels = times.get_legend_handles_labels()
     figure.legend(  # below the plot: nothing drawn under it
@@ -280,5 +278,5 @@ def _plot_step_times(axes: Any, reports: list[Any]) -> None:
             label="step time and its range (right)",
         )
     slowest = max((r.step_seconds_range[1] / per_time for _, r in known), default=1.0)
-    axes.set_ylim(0, slowest)
+    axes.set_ylim(0, slowest * 1.15)  # headroom above the slowest range
     axes.set_ylabel(f"estimated {time_unit} per step")
