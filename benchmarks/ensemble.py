@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import meshkit
-from benchmarks import positive_int
+from recipes._args import positive_int
 
 meshkit.distributed.initialize(cpu_devices=8)
 

@@ -32,8 +32,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import positive_int
 from benchmarks.quoted import markdown_table, versions
+from recipes._args import positive_int
 
 CASES: dict[str, tuple[str, str, int, int, str]] = {
     # key: (title, model, devices, steps, the fixed size beside 'auto')
