@@ -40,7 +40,9 @@ def _shown_default(action: argparse.Action) -> str:
     """``default: 128``, or ``""``; a default of 0 is shown (``0 == False`` in Python)."""
     if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
         return ""
-    return f"default: {str(action.default).replace('%', '%%')}"
+    default = action.default
+    shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+    return f"default: {shown.replace('%', '%%')}"
 
 
 def recipe_parser(

@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=remat_names,
         default=[["none", "nothing_saveable"]],
         help="remat policies to try, comma-separated as in python -m meshkit.plan "
-        "(spaces work too)",
+        "(spaces work too; default: none,nothing_saveable)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
